@@ -1,0 +1,193 @@
+"""Balancing configuration and the Megatron-style command-line flags.
+
+The dataclass is the one source of truth; argparse lives only at the edge (``add_vit_balance_args``
+and ``BalanceConfig.from_args``) so library code never reads global arguments.
+"""
+
+import argparse
+import dataclasses
+import math
+
+COST_MODELS = ("auto", "quadratic", "polynomial", "architecture")
+STRATEGIES = ("min-move", "lpt")
+SKIP_RULES = ("no-gain", "seed")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BalanceConfig:
+    """How (and whether) images are moved between data-parallel ranks before the ViT."""
+
+    enabled: bool = True
+    """Master switch (``--use-vit-dp-balance``); disabled means a plain ViT call."""
+
+    trigger_threshold: float = 0.2
+    """Skip when ``max(loads) / mean(loads) - 1`` is below this (seed default 0.2)."""
+
+    max_len_ratio: float | None = None
+    """Memory guard: no rank receives more than ``mean_rows * ratio`` pixel rows, unless a single
+    unit alone is larger. ``None`` disables the cap (seed default for the ViT)."""
+
+    tolerance: float = 0.05
+    """Refinement stops once the plan's imbalance is below this (seed default 5%)."""
+
+    max_iters: int = 20
+    """Maximum move/swap refinement steps (seed default 20)."""
+
+    verbose: bool = False
+    """Log one line per step on rank 0: imbalance before/after, loads, decision, moved rows."""
+
+    cost_model: str = "auto"
+    """``auto`` (architecture-aware when the ViT's dimensions are known, else quadratic),
+    ``quadratic`` (the seed's ``(t*h*w)**2``), ``polynomial`` (needs ``cost_coeffs``) or
+    ``architecture``."""
+
+    cost_coeffs: tuple[float, float, float] | None = None
+    """``(a, b, c)`` of ``a*l**2 + b*l + c`` for the polynomial model (see ``PolynomialCost.fit``)."""
+
+    strategy: str = "min-move"
+    """``min-move``: near-LPT makespan while keeping most units home; ``lpt``: the seed's plan."""
+
+    skip_rule: str = "no-gain"
+    """``no-gain``: skip only when the plan would not lower the makespan by ``min_gain``.
+    ``seed``: additionally skip whenever one unit costs more than the mean load."""
+
+    min_gain: float = 0.02
+    """Relative makespan reduction below which a plan is not worth its communication."""
+
+    split_frames: bool = True
+    """Move single video frames when the ViT attends per frame (exact for Qwen-family towers)."""
+
+    def __post_init__(self) -> None:
+        _check(self.trigger_threshold >= 0, "trigger_threshold", self.trigger_threshold, ">= 0")
+        if self.max_len_ratio is not None:
+            _check(self.max_len_ratio >= 1, "max_len_ratio", self.max_len_ratio, ">= 1 or None")
+        _check(self.tolerance >= 0, "tolerance", self.tolerance, ">= 0")
+        _check(self.max_iters >= 0, "max_iters", self.max_iters, ">= 0")
+        _check(self.cost_model in COST_MODELS, "cost_model", self.cost_model, f"in {COST_MODELS}")
+        _check(self.strategy in STRATEGIES, "strategy", self.strategy, f"in {STRATEGIES}")
+        _check(self.skip_rule in SKIP_RULES, "skip_rule", self.skip_rule, f"in {SKIP_RULES}")
+        _check(0 <= self.min_gain < 1, "min_gain", self.min_gain, "in [0, 1)")
+        coeffs = self.cost_coeffs
+        if self.cost_model == "polynomial" or coeffs is not None:
+            _check(
+                coeffs is not None
+                and len(coeffs) == 3
+                and all(math.isfinite(c) and c >= 0 for c in coeffs)
+                and any(c > 0 for c in coeffs),
+                "cost_coeffs",
+                coeffs,
+                "three finite non-negative numbers, not all zero (needed by cost_model='polynomial')",
+            )
+        if coeffs is not None:
+            _check(
+                self.cost_model == "polynomial",
+                "cost_model",
+                self.cost_model,
+                "'polynomial' when cost_coeffs is given",
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "BalanceConfig":
+        """Build a config from the flags added by ``add_vit_balance_args``."""
+        coeffs = args.dp_balance_cost_coeffs_vit
+        return cls(
+            enabled=args.use_vit_dp_balance,
+            trigger_threshold=args.dp_balance_trigger_threshold_vit,
+            max_len_ratio=args.dp_balance_max_len_ratio_vit,
+            tolerance=args.dp_balance_tolerance_vit,
+            max_iters=args.dp_balance_max_iters_vit,
+            verbose=args.dp_balance_verbose,
+            cost_model=args.dp_balance_cost_model_vit,
+            cost_coeffs=tuple(coeffs) if coeffs is not None else None,
+            strategy=args.dp_balance_strategy_vit,
+            skip_rule=args.dp_balance_skip_rule_vit,
+            min_gain=args.dp_balance_min_gain_vit,
+            split_frames=args.dp_balance_split_frames_vit,
+        )
+
+
+def add_vit_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the seed's ``--use-vit-dp-balance`` family of flags (and ours, same naming) to a parser.
+
+    Returns the parser so it can be chained.
+    """
+    d = BalanceConfig()
+    g = parser.add_argument_group("ViT data-parallel balance")
+    g.add_argument(
+        "--use-vit-dp-balance",
+        action="store_true",
+        help="balance ViT work across data-parallel ranks",
+    )
+    g.add_argument(
+        "--dp-balance-max-len-ratio-vit",
+        type=float,
+        default=d.max_len_ratio,
+        help="cap pixel rows per rank at mean*ratio (default: no cap)",
+    )
+    g.add_argument(
+        "--dp-balance-trigger-threshold-vit",
+        type=float,
+        default=d.trigger_threshold,
+        help="skip when max/mean-1 of the ViT loads is below this",
+    )
+    g.add_argument(
+        "--dp-balance-verbose",
+        action="store_true",
+        help="log imbalance, loads and the decision every step (rank 0)",
+    )
+    g.add_argument(
+        "--dp-balance-tolerance-vit",
+        type=float,
+        default=d.tolerance,
+        help="stop refining once imbalance is below this",
+    )
+    g.add_argument(
+        "--dp-balance-max-iters-vit",
+        type=int,
+        default=d.max_iters,
+        help="maximum refinement moves/swaps",
+    )
+    g.add_argument(
+        "--dp-balance-cost-model-vit",
+        choices=COST_MODELS,
+        default=d.cost_model,
+        help="per-image cost model",
+    )
+    g.add_argument(
+        "--dp-balance-cost-coeffs-vit",
+        type=float,
+        nargs=3,
+        metavar=("A", "B", "C"),
+        default=None,
+        help="a*l^2+b*l+c coefficients for --dp-balance-cost-model-vit polynomial",
+    )
+    g.add_argument(
+        "--dp-balance-strategy-vit",
+        choices=STRATEGIES,
+        default=d.strategy,
+        help="min-move (default) or the seed's lpt",
+    )
+    g.add_argument(
+        "--dp-balance-skip-rule-vit",
+        choices=SKIP_RULES,
+        default=d.skip_rule,
+        help="no-gain (default) or the seed's rule that also skips on a dominant image",
+    )
+    g.add_argument(
+        "--dp-balance-min-gain-vit",
+        type=float,
+        default=d.min_gain,
+        help="skip plans that lower the predicted makespan by less than this fraction",
+    )
+    g.add_argument(
+        "--dp-balance-split-frames-vit",
+        action=argparse.BooleanOptionalAction,
+        default=d.split_frames,
+        help="move single video frames when the ViT attends per frame",
+    )
+    return parser
+
+
+def _check(ok: bool, field: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"BalanceConfig.{field} must be {expected}, got {value!r}")

@@ -1,0 +1,457 @@
+"""Assign ViT units (images or frames) to data-parallel ranks so every rank gets similar work.
+
+Pure Python and deterministic: every rank runs ``solve_plan`` on the same gathered input and must
+get the same answer, so every tie is broken by a total order (cost, then source rank, then local
+index) and no hashing, randomness or float reduction order depends on anything else.
+
+Two strategies:
+- ``lpt``: the seed's plan. Greedy longest-processing-time onto the least-loaded rank, then
+  move/swap refinement between the most and least loaded ranks. It reaches a makespan close to the
+  lower bound but moves nearly every unit (each lands wherever the heap says).
+- ``min-move`` (default): keep units home and move only what must move. Overloaded ranks shed
+  units down to a target makespan (LPT's, plus 1%), the shed units are placed LPT-style, and the
+  seed's move/swap refinement repairs any overshoot. LPT is the fallback.
+"""
+
+import bisect
+import dataclasses
+import heapq
+import math
+from collections.abc import Sequence
+
+from fx_vitbal.config import BalanceConfig
+
+# min-move may end this much above the refined LPT makespan (the communication it saves is worth
+# far more than 1% of the ViT step).
+MAKESPAN_SLACK = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which rank computes which unit, and what that is predicted to achieve.
+
+    ``assignment[d]`` lists the ``(src_rank, local_idx)`` units computed on rank ``d``, sorted by
+    ``(src_rank, local_idx)`` so received data arrives in plan order without a permutation.
+    """
+
+    assignment: list[list[tuple[int, int]]]
+    applied: bool
+    reason: str
+    """``applied``, ``balanced`` (below the trigger), ``no-gain``, ``dominant-unit`` (seed rule),
+    ``single-rank`` or ``empty``."""
+    loads_before: list[float]
+    loads_after: list[float]
+    imbalance_before: float
+    imbalance_after: float
+    moved_tokens: int
+    cap_respected: bool = True
+    """False when ``max_len_ratio`` is set and no assignment found keeps every rank under it."""
+
+    def destinations(self, num_units: Sequence[int]) -> list[list[int]]:
+        """``dest[r][i]``: the rank computing unit ``i`` of rank ``r``."""
+        dest = [[r] * n for r, n in enumerate(num_units)]
+        for d, units in enumerate(self.assignment):
+            for src, idx in units:
+                dest[src][idx] = d
+        return dest
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """``max(loads) / mean(loads) - 1`` (0 for all-zero loads)."""
+    total = sum(loads)
+    return max(loads) * len(loads) / total - 1.0 if total > 0 else 0.0
+
+
+def solve_plan(
+    costs: Sequence[Sequence[float]],
+    tokens: Sequence[Sequence[int]],
+    *,
+    config: BalanceConfig | None = None,
+    history: Sequence[float] | None = None,
+) -> Plan:
+    """Compute the same balanced assignment of units to ranks on every rank.
+
+    Args:
+        costs: ``costs[r][i]`` predicted cost of unit ``i`` held by rank ``r``.
+        tokens: ``tokens[r][i]`` its pixel rows (what moving it costs, and what the cap limits).
+        config: thresholds, strategy and cap; defaults to ``BalanceConfig()``.
+        history: per-rank costs already accumulated (cross-micro-batch balancing); added to the
+            loads before balancing.
+
+    Returns:
+        A ``Plan``; when ``applied`` is False the assignment is the identity.
+
+    Raises:
+        ValueError: mismatched shapes, negative or non-finite costs, negative token counts.
+    """
+    config = config or BalanceConfig()
+    _validate(costs, tokens, history)
+    num_ranks = len(costs)
+    units = _Units(costs, tokens)
+    base = [float(h) for h in history] if history is not None else [0.0] * num_ranks
+    home = units.src[:]
+    loads_before = _loads(home, units, base)
+    cap = _token_cap(units, num_ranks, config.max_len_ratio)
+
+    def skip(reason: str) -> Plan:
+        return _make_plan(home, units, base, loads_before, False, reason, cap)
+
+    if num_ranks == 1:
+        return skip("single-rank")
+    if not units.cost or sum(loads_before) == 0:
+        return skip("empty")
+    mean_load = sum(loads_before) / num_ranks
+    if imbalance(loads_before) < config.trigger_threshold:
+        return skip("balanced")
+    if config.skip_rule == "seed" and max(units.cost) > mean_load:
+        return skip("dominant-unit")
+
+    order = units.by_cost_desc()
+    dest, lpt_loads = _refine(
+        _lpt(units, order, base, cap),
+        units,
+        base,
+        cap,
+        mean_load * (1 + config.tolerance),
+        config.max_iters,
+    )
+    if config.strategy == "min-move":
+        dest = _min_move(units, order, base, cap, max(lpt_loads) * (1.0 + MAKESPAN_SLACK)) or dest
+    if max(_loads(dest, units, base)) > max(loads_before) * (1.0 - config.min_gain):
+        return skip("no-gain")
+    return _make_plan(dest, units, base, loads_before, True, "applied", cap)
+
+
+class _Units:
+    """Flat arrays over all units of all ranks; unit ``u`` is ``(src[u], idx[u])``."""
+
+    def __init__(self, costs: Sequence[Sequence[float]], tokens: Sequence[Sequence[int]]):
+        self.num_ranks = len(costs)
+        self.src = [r for r, rank_costs in enumerate(costs) for _ in rank_costs]
+        self.idx = [i for rank_costs in costs for i in range(len(rank_costs))]
+        self.cost = [float(c) for rank_costs in costs for c in rank_costs]
+        self.tokens = [int(n) for rank_tokens in tokens for n in rank_tokens]
+        self.counts = [len(rank_costs) for rank_costs in costs]
+
+    def by_cost_desc(self) -> list[int]:
+        return sorted(
+            range(len(self.cost)), key=lambda u: (-self.cost[u], self.src[u], self.idx[u])
+        )
+
+
+def _validate(costs, tokens, history) -> None:
+    if len(costs) == 0:
+        raise ValueError("solve_plan needs at least one rank, got costs for 0 ranks")
+    if len(tokens) != len(costs):
+        raise ValueError(f"costs has {len(costs)} ranks but tokens has {len(tokens)}")
+    for r, (rank_costs, rank_tokens) in enumerate(zip(costs, tokens, strict=True)):
+        if len(rank_costs) != len(rank_tokens):
+            raise ValueError(
+                f"rank {r}: {len(rank_costs)} costs but {len(rank_tokens)} token counts"
+            )
+        if rank_costs and not (all(map(math.isfinite, rank_costs)) and min(rank_costs) >= 0):
+            raise ValueError(f"rank {r}: costs must be finite and >= 0, got {list(rank_costs)!r}")
+        if rank_tokens and min(rank_tokens) < 0:
+            raise ValueError(f"rank {r}: token counts must be >= 0, got {list(rank_tokens)!r}")
+    if history is not None:
+        if len(history) != len(costs):
+            raise ValueError(f"history has {len(history)} ranks, expected {len(costs)}")
+        if not all(math.isfinite(h) and h >= 0 for h in history):
+            raise ValueError(f"history must be finite and >= 0, got {list(history)!r}")
+
+
+def _loads(dest: list[int], units: _Units, base: list[float]) -> list[float]:
+    loads = base[:]
+    for d, c in zip(dest, units.cost, strict=True):
+        loads[d] += c
+    return loads
+
+
+def _token_cap(units: _Units, num_ranks: int, ratio: float | None) -> float:
+    if ratio is None:
+        return math.inf
+    return sum(units.tokens) / num_ranks * ratio
+
+
+def _fits(rank_tokens: int, rank_units: int, unit_tokens: int, cap: float) -> bool:
+    # A rank may always hold one unit alone, however large (the cap's documented exception).
+    return rank_units == 0 or rank_tokens + unit_tokens <= cap
+
+
+def _place(
+    order: list[int],
+    dest: list[int],
+    loads: list[float],
+    rank_tokens: list[int],
+    rank_units: list[int],
+    units: _Units,
+    cap: float,
+    home_fill: float = -math.inf,
+) -> None:
+    """LPT placement of ``order`` (cost-descending) onto the least-loaded rank that fits the cap.
+
+    Ties go to the unit's home rank, then to the lowest rank. Mutates its arguments.
+    """
+    # One heap entry per rank. Loads only grow, so an entry older than its rank's load is a
+    # lower bound: refresh it when it surfaces instead of pushing on every change.
+    heap = [(load, r) for r, load in enumerate(loads)]
+    heapq.heapify(heap)
+    cost = units.cost
+    for u in order:
+        need = units.tokens[u]
+        home = units.src[u]
+        chosen = -1
+        if loads[home] + cost[u] <= home_fill and _fits(
+            rank_tokens[home], rank_units[home], need, cap
+        ):
+            chosen = home
+        popped = []
+        while chosen < 0 and heap:
+            load, r = heapq.heappop(heap)
+            if load != loads[r]:
+                heapq.heappush(heap, (loads[r], r))
+                continue
+            popped.append(r)
+            if _fits(rank_tokens[r], rank_units[r], need, cap):
+                chosen = r
+        if chosen < 0:
+            # Nothing fits: the rank with the fewest rows takes it; the plan reports the violation.
+            chosen = min(range(len(loads)), key=lambda k: (rank_tokens[k], k))
+        elif loads[home] == loads[chosen] and _fits(rank_tokens[home], rank_units[home], need, cap):
+            chosen = home  # an LPT tie: staying home moves nothing
+        dest[u] = chosen
+        loads[chosen] += cost[u]
+        rank_tokens[chosen] += need
+        rank_units[chosen] += 1
+        for r in popped:
+            heapq.heappush(heap, (loads[r], r))
+
+
+def _lpt(units: _Units, order: list[int], base: list[float], cap: float) -> list[int]:
+    """The seed's greedy: each unit, cost-descending, onto the least-loaded rank."""
+    dest = [-1] * len(units.cost)
+    if cap != math.inf:
+        zeros = [0] * units.num_ranks
+        _place(order, dest, base[:], zeros[:], zeros[:], units, cap)
+        return dest
+    heap = [(load, r) for r, load in enumerate(base)]
+    heapq.heapify(heap)
+    cost = units.cost
+    for u in order:  # the uncapped hot path: one heapreplace per unit
+        load, r = heap[0]
+        dest[u] = r
+        heapq.heapreplace(heap, (load + cost[u], r))
+    return dest
+
+
+def _refine(
+    dest: list[int], units: _Units, base: list[float], cap: float, stop_load: float, max_iters: int
+) -> tuple[list[int], list[float]]:
+    """The seed's refinement: move or swap one unit between the most and least loaded ranks
+    until the makespan is at most ``stop_load``, nothing helps, or ``max_iters`` steps ran.
+
+    Returns the new assignment and its loads."""
+    dest = dest[:]
+    loads = _loads(dest, units, base)
+    held: list[list[int]] = [[] for _ in loads]
+    rank_tokens = [0] * len(loads)
+    for u, (d, n) in enumerate(zip(dest, units.tokens, strict=True)):
+        held[d].append(u)
+        rank_tokens[d] += n
+    highest = [(-load, r) for r, load in enumerate(loads)]
+    lowest = [(load, r) for r, load in enumerate(loads)]
+    heapq.heapify(highest)
+    heapq.heapify(lowest)
+    for _ in range(max_iters):
+        while -highest[0][0] != loads[highest[0][1]]:  # drop stale entries
+            heapq.heappop(highest)
+        while lowest[0][0] != loads[lowest[0][1]]:
+            heapq.heappop(lowest)
+        hi, lo = highest[0][1], lowest[0][1]
+        if loads[hi] <= stop_load:
+            break
+        step = _best_step(
+            held[hi],
+            held[lo],
+            loads[hi] - loads[lo],
+            loads[hi],
+            loads[lo],
+            rank_tokens[hi],
+            rank_tokens[lo],
+            units,
+            cap,
+        )
+        if step is None:
+            break
+        for k, frm, to in ((step[0], hi, lo), (step[1], lo, hi)):
+            if k < 0:
+                continue
+            held[frm].remove(k)
+            held[to].append(k)
+            dest[k] = to
+            loads[frm] -= units.cost[k]
+            loads[to] += units.cost[k]
+            rank_tokens[frm] -= units.tokens[k]
+            rank_tokens[to] += units.tokens[k]
+        for r in (hi, lo):
+            heapq.heappush(highest, (-loads[r], r))
+            heapq.heappush(lowest, (loads[r], r))
+    return dest, loads
+
+
+def _best_step(
+    on_hi: list[int],
+    on_lo: list[int],
+    gap: float,
+    load_hi: float,
+    load_lo: float,
+    tokens_hi: int,
+    tokens_lo: int,
+    units: _Units,
+    cap: float,
+) -> tuple[int, int] | None:
+    """Best move (``(u, -1)``) or swap (``(u, v)``) between two ranks: the one minimizing the
+    pair's new maximum; ties go to the lowest unit ids (a total order)."""
+    best = None
+    for u in on_hi:
+        for v in [-1, *on_lo]:
+            delta = units.cost[u] - (units.cost[v] if v >= 0 else 0.0)
+            if not 0 < delta < gap:
+                continue
+            shift = units.tokens[u] - (units.tokens[v] if v >= 0 else 0)
+            if tokens_lo + shift > cap or tokens_hi - shift > cap:
+                continue
+            key = (max(load_hi - delta, load_lo + delta), u, v)
+            if best is None or key < best:
+                best = key
+    return None if best is None else (best[1], best[2])
+
+
+def _min_move(
+    units: _Units, order: list[int], base: list[float], cap: float, accept: float
+) -> list[int] | None:
+    """Keep units home: overloaded ranks shed just enough to reach ``accept``, shed units are
+    placed LPT-style, and a refinement repairs any overshoot. None if it cannot reach ``accept``."""
+    held: list[list[int]] = [[] for _ in range(units.num_ranks)]
+    for u in reversed(order):
+        held[units.src[u]].append(u)  # each rank's units, cost-ascending
+    dest = units.src[:]
+    loads = _loads(dest, units, base)
+    rank_tokens = [0] * units.num_ranks
+    rank_units = [len(h) for h in held]
+    for d, n in zip(dest, units.tokens, strict=True):
+        rank_tokens[d] += n
+    shed: list[int] = []
+    for r, keep in enumerate(held):
+        while keep and (loads[r] > accept or (rank_tokens[r] > cap and len(keep) > 1)):
+            for u in _units_to_shed(keep, loads[r] - accept, units):
+                keep.remove(u)
+                shed.append(u)
+                loads[r] -= units.cost[u]
+                rank_tokens[r] -= units.tokens[u]
+                rank_units[r] -= 1
+    shed.sort(key=lambda u: (-units.cost[u], u))  # the same total order as ``order``
+    _best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
+    dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
+    if max(loads) <= accept:
+        return dest
+    # Fragmented room (a near-perfect LPT leaves ~1% slack): fill homes first in LPT order, so
+    # large units stay home and only the smallest overflow moves.
+    dest = [-1] * len(units.cost)
+    zeros = [0] * units.num_ranks
+    _place(order, dest, base[:], zeros[:], zeros[:], units, cap, home_fill=accept)
+    dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
+    return dest if max(loads) <= accept else None
+
+
+def _best_fit(
+    order: list[int],
+    dest: list[int],
+    loads: list[float],
+    rank_tokens: list[int],
+    rank_units: list[int],
+    units: _Units,
+    cap: float,
+    limit: float,
+) -> None:
+    """Best-fit decreasing: each unit onto the rank whose load stays at most ``limit`` with the
+    least room left, which keeps large holes for large units. Units that fit nowhere go to the
+    least-loaded rank (``_place``) and the refinement repairs the overshoot. Mutates its arguments.
+    """
+    by_load = sorted((load, r) for r, load in enumerate(loads))
+    misfits = []
+    for u in order:
+        # The fullest rank that still fits is just below limit - cost in load order.
+        i = bisect.bisect_right(by_load, (limit - units.cost[u], math.inf)) - 1
+        while i >= 0 and not _fits(
+            rank_tokens[by_load[i][1]], rank_units[by_load[i][1]], units.tokens[u], cap
+        ):
+            i -= 1
+        if i < 0:
+            misfits.append(u)
+            continue
+        load, r = by_load.pop(i)
+        dest[u] = r
+        loads[r] = load + units.cost[u]
+        rank_tokens[r] += units.tokens[u]
+        rank_units[r] += 1
+        bisect.insort(by_load, (loads[r], r))
+    _place(misfits, dest, loads, rank_tokens, rank_units, units, cap)
+
+
+def _units_to_shed(ascending: list[int], excess: float, units: _Units) -> list[int]:
+    """Units of one rank whose costs cover ``excess`` with few tokens (``ascending`` by cost).
+
+    Two candidates: the cheapest single unit that covers the excess, or the largest units below it
+    taken greedily. The one moving fewer tokens wins; small units also place more easily. With no
+    excess (only the row cap is exceeded) the largest unit goes.
+    """
+    if excess <= 0:
+        return [ascending[-1]]
+    single = next((u for u in ascending if units.cost[u] >= excess), None)
+    several: list[int] = []
+    covered = 0.0
+    for u in reversed(ascending):
+        if units.cost[u] < excess and covered < excess:
+            several.append(u)
+            covered += units.cost[u]
+    if covered < excess:
+        several = []
+    if single is None:
+        return several or [ascending[-1]]
+    if several and sum(units.tokens[u] for u in several) <= units.tokens[single]:
+        return several
+    return [single]
+
+
+def _make_plan(
+    dest: list[int],
+    units: _Units,
+    base: list[float],
+    loads_before: list[float],
+    applied: bool,
+    reason: str,
+    cap: float,
+) -> Plan:
+    assignment: list[list[tuple[int, int]]] = [[] for _ in range(units.num_ranks)]
+    rank_tokens = [0] * units.num_ranks
+    moved = 0
+    # Units are enumerated in (src, idx) order, so every assignment list comes out sorted.
+    for d, src, idx, n in zip(dest, units.src, units.idx, units.tokens, strict=True):
+        assignment[d].append((src, idx))
+        rank_tokens[d] += n
+        if d != src:
+            moved += n
+    loads_after = _loads(dest, units, base)
+    cap_respected = all(n <= cap or len(assignment[d]) <= 1 for d, n in enumerate(rank_tokens))
+    return Plan(
+        assignment=assignment,
+        applied=applied,
+        reason=reason,
+        loads_before=loads_before,
+        loads_after=loads_after,
+        imbalance_before=imbalance(loads_before),
+        imbalance_after=imbalance(loads_after),
+        moved_tokens=moved,
+        cap_respected=cap_respected,
+    )
