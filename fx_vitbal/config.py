@@ -42,7 +42,7 @@ class BalanceConfig:
     ``architecture``."""
 
     cost_coeffs: tuple[float, float, float] | None = None
-    """``(a, b, c)`` of ``a*l**2 + b*l + c`` for the polynomial model (see ``PolynomialCost.fit``)."""
+    """``(a, b, c)`` of ``a*l**2 + b*l + c`` for the polynomial model (``PolynomialCost.fit``)."""
 
     strategy: str = "min-move"
     """``min-move``: near-LPT makespan while keeping most units home; ``lpt``: the seed's plan."""
@@ -76,7 +76,7 @@ class BalanceConfig:
                 and any(c > 0 for c in coeffs),
                 "cost_coeffs",
                 coeffs,
-                "three finite non-negative numbers, not all zero (needed by cost_model='polynomial')",
+                "three finite non-negative numbers, not all zero (for cost_model='polynomial')",
             )
         if coeffs is not None:
             _check(

@@ -1,0 +1,31 @@
+"""fx_vitbal: move whole images between data-parallel ranks before the ViT so every rank does
+similar work, and move the outputs back so the rest of the model sees exactly what it would have.
+"""
+
+from fx_vitbal import ops  # noqa: F401  (registers the vitbal:: custom ops)
+from fx_vitbal.config import BalanceConfig, add_vit_balance_args
+from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
+from fx_vitbal.encoder import (
+    VisionEncoderSpec,
+    dp_balance_vit_encoder,
+    enable_vit_balance,
+    register_vision_encoder,
+)
+from fx_vitbal.planner import Plan, solve_plan
+
+__all__ = [
+    # configuration
+    "BalanceConfig",
+    "add_vit_balance_args",
+    # planning
+    "Plan",
+    "solve_plan",
+    "QuadraticCost",
+    "PolynomialCost",
+    "ArchitectureCost",
+    # runtime
+    "dp_balance_vit_encoder",
+    "enable_vit_balance",
+    "register_vision_encoder",
+    "VisionEncoderSpec",
+]

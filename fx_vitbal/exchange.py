@@ -1,0 +1,304 @@
+"""The collective half of balancing: gather metadata, route units, move rows and move them back.
+
+Lockstep rule: every function here that talks to other ranks issues the same collectives in the
+same order on every rank, whatever that rank holds (no images, bad input). Every decision is taken
+from gathered data, so it is the same everywhere.
+
+Row layout: a unit (one grid row, or one frame of it) owns ``t*h*w`` consecutive pixel rows, and
+``t*h*w / shrink`` consecutive rows of an output that shrinks rows by ``shrink`` (4 for a 2x2
+patch merger). Destinations receive units grouped by source rank in local order (``all_to_all``
+order), which is exactly ``Plan.assignment`` order, so only the sender permutes on the way out
+and only the home rank permutes (back to its original positions) on the way back.
+
+Shape suffixes: ``_R`` per rank, ``_U`` per local unit.
+"""
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from fx_vitbal.config import BalanceConfig
+from fx_vitbal.cost import CostModel, cost_from_spec, cost_to_spec
+from fx_vitbal.planner import Plan, solve_plan
+
+log = logging.getLogger(__name__)
+
+# Dtypes a pixel tensor may have; the index is what travels in the metadata header.
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# Header fields gathered from every rank, one int64 row per rank.
+_STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE = range(7)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """This rank's part of a plan: where each local unit goes and how many rows travel.
+
+    Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
+    ``[applied, num_units, world, unit_rows_U..., dest_U..., send_rows_R..., recv_rows_R...]``.
+    """
+
+    applied: bool
+    unit_rows: list[int]
+    dest: list[int]
+    send_rows: list[int]
+    recv_rows: list[int]
+
+    def to_tensor(self) -> torch.Tensor:
+        header = [int(self.applied), len(self.unit_rows), len(self.send_rows)]
+        values = header + self.unit_rows + self.dest + self.send_rows + self.recv_rows
+        return torch.tensor(values, dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, routing: torch.Tensor) -> "Routing":
+        values = routing.tolist()  # CPU tensor: no device sync
+        applied, num_units, world = values[:3]
+        body = values[3:]
+        if len(body) != 2 * num_units + 2 * world:
+            raise ValueError(f"malformed routing tensor of {len(values)} values")
+        return cls(
+            applied=bool(applied),
+            unit_rows=body[:num_units],
+            dest=body[num_units : 2 * num_units],
+            send_rows=body[2 * num_units : 2 * num_units + world],
+            recv_rows=body[2 * num_units + world :],
+        )
+
+
+def routing_size(num_units: int, world_size: int) -> int:
+    """Length of a packed routing tensor."""
+    return 3 + 2 * num_units + 2 * world_size
+
+
+def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
+    """Everything ``plan_units`` needs besides the data, as one string (a custom-op argument,
+    so it is part of the compiled graph and of every cache key)."""
+    fields = dataclasses.asdict(config)
+    fields["cost_coeffs"] = list(config.cost_coeffs) if config.cost_coeffs else None
+    return json.dumps({"config": fields, "cost": cost_to_spec(cost_model)}, sort_keys=True)
+
+
+def parse_planner_spec(spec: str) -> tuple[BalanceConfig, CostModel]:
+    fields = json.loads(spec)
+    config = fields["config"]
+    if config["cost_coeffs"] is not None:
+        config["cost_coeffs"] = tuple(config["cost_coeffs"])
+    return BalanceConfig(**config), cost_from_spec(fields["cost"])
+
+
+def gather_grids(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int, group: dist.ProcessGroup
+) -> list[list[list[int]]]:
+    """Validate local input and gather every rank's ``[t, h, w]`` rows.
+
+    Two gathers: a fixed-size header (status, counts, dtype), then the grids padded to the
+    largest count. A bad input anywhere is detected from the header, so every rank raises the same
+    ``ValueError`` after the first gather and none is left waiting in the second.
+
+    Raises:
+        ValueError: on every rank, naming each bad rank and its problem.
+    """
+    world = dist.get_world_size(group)
+    device = _meta_device(group)
+    header, rows = _local_header(pixel_values, grid_thw, merge_size)
+    headers_R = torch.empty(world * len(header), dtype=torch.int64, device=device)
+    dist.all_gather_single(headers_R, torch.tensor(header, dtype=torch.int64, device=device), group)
+    headers = headers_R.view(world, len(header)).tolist()
+    _raise_on_bad_input(headers)
+    max_rows = max(h[_NUM_ROWS] for h in headers)
+    if max_rows == 0:
+        return [[] for _ in range(world)]
+    padded = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
+    if rows:
+        padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+    grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
+    dist.all_gather_single(grids_R, padded.flatten(), group)
+    grids = grids_R.view(world, max_rows, 3).tolist()
+    return [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
+
+
+def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
+    """A rank's units: its grid rows, or one ``(1, h, w)`` unit per frame."""
+    if split_frames:
+        return [(1, h, w) for t, h, w in grid for _ in range(t)]
+    return [(t, h, w) for t, h, w in grid]
+
+
+def plan_units(
+    grids_R: list[list[list[int]]], rank: int, spec: str
+) -> tuple[Plan, list[list[tuple[int, int, int]]]]:
+    """Cost every unit of every rank and solve the plan (same result on every rank)."""
+    config, cost_model = parse_planner_spec(spec)
+    units_R = [split_units(grid, config.split_frames) for grid in grids_R]
+    memo: dict[tuple[int, int, int], float] = {}  # grids repeat a lot; cost models are Python
+    for units in units_R:
+        for u in units:
+            if u not in memo:
+                memo[u] = cost_model(*u)
+    costs = [[memo[u] for u in units] for units in units_R]
+    tokens = [[t * h * w for t, h, w in units] for units in units_R]
+    plan = solve_plan(costs, tokens, config=config)
+    if config.verbose and rank == 0:
+        log.info(
+            "vit dp balance: %s imbalance %.3f -> %.3f, max/min load %.3g/%.3g -> %.3g/%.3g, "
+            "moved %d of %d rows",
+            plan.reason,
+            plan.imbalance_before,
+            plan.imbalance_after,
+            max(plan.loads_before),
+            min(plan.loads_before),
+            max(plan.loads_after),
+            min(plan.loads_after),
+            plan.moved_tokens,
+            sum(map(sum, tokens)),
+        )
+    return plan, units_R
+
+
+def local_routing(plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int) -> Routing:
+    """This rank's send/receive layout under ``plan``."""
+    world = len(units_R)
+    rows_R = [[t * h * w for t, h, w in units] for units in units_R]
+    dest = plan.destinations([len(units) for units in units_R])[rank]
+    send_rows = [0] * world
+    for i, d in enumerate(dest):
+        send_rows[d] += rows_R[rank][i]
+    recv_rows = [0] * world
+    for src, idx in plan.assignment[rank]:
+        recv_rows[src] += rows_R[src][idx]
+    return Routing(plan.applied, rows_R[rank], dest, send_rows, recv_rows)
+
+
+def balanced_grid(plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int) -> list:
+    """Grid rows of the units this rank computes, in arrival order (no collective needed)."""
+    return [list(units_R[src][idx]) for src, idx in plan.assignment[rank]]
+
+
+def exchange(
+    xs: Sequence[torch.Tensor],
+    routing: Routing,
+    shrink: int,
+    reverse: bool,
+    group: dist.ProcessGroup,
+) -> list[torch.Tensor]:
+    """Move unit rows to their computing ranks (``reverse=False``) or back home (``True``).
+
+    All tensors travel in one ``all_to_all_single`` when they share a dtype (their trailing dims
+    are flattened and concatenated), which is how deepstack layers ride with the embeddings.
+    """
+    rows_U = [n // shrink for n in routing.unit_rows]
+    send_R = [n // shrink for n in routing.send_rows]
+    recv_R = [n // shrink for n in routing.recv_rows]
+    order_U = sorted(range(len(rows_U)), key=lambda i: (routing.dest[i], i))
+    perm = _row_permutation(rows_U, order_U)
+    in_splits, out_splits = (recv_R, send_R) if reverse else (send_R, recv_R)
+    outs: list[torch.Tensor | None] = [None] * len(xs)
+    for dtype in dict.fromkeys(x.dtype for x in xs):  # one exchange per dtype, in first-use order
+        members = [i for i, x in enumerate(xs) if x.dtype == dtype]
+        widths = [_row_numel(xs[i]) for i in members]
+        flat = torch.cat([xs[i].reshape(xs[i].shape[0], -1) for i in members], dim=1)
+        if perm is not None and not reverse:
+            flat = flat.index_select(0, perm.to(flat.device))
+        moved = flat.new_empty(sum(out_splits), flat.shape[1])
+        dist.all_to_all_single(moved, flat.contiguous(), out_splits, in_splits, group=group)
+        if perm is not None and reverse:
+            moved = torch.empty_like(moved).index_copy_(0, perm.to(moved.device), moved)
+        parts = moved.split(widths, dim=1)
+        if len(parts) > 1:  # custom-op outputs must not alias each other
+            parts = [torch.clone(part, memory_format=torch.contiguous_format) for part in parts]
+        for i, part in zip(members, parts, strict=True):
+            outs[i] = part.reshape(part.shape[0], *xs[i].shape[1:])
+    return outs
+
+
+def _row_permutation(rows_U: list[int], order_U: list[int]) -> torch.Tensor | None:
+    """Row indices of the units in ``order_U`` (None when that is the identity order)."""
+    if order_U == sorted(order_U):
+        return None
+    rows = torch.tensor(rows_U, dtype=torch.int64)
+    starts = torch.cumsum(rows, 0) - rows
+    order = torch.tensor(order_U, dtype=torch.int64)
+    ordered_rows = rows[order]
+    # Each output row r of unit k maps to starts[k] + (r - first output row of k).
+    shift = starts[order] - (torch.cumsum(ordered_rows, 0) - ordered_rows)
+    total = int(rows.sum())
+    return torch.repeat_interleave(shift, ordered_rows, output_size=total) + torch.arange(total)
+
+
+def _row_numel(x: torch.Tensor) -> int:
+    numel = 1
+    for size in x.shape[1:]:
+        numel *= size
+    return numel
+
+
+def _meta_device(group: dist.ProcessGroup) -> torch.device:
+    """Gloo gathers CPU tensors (no device sync for ``.tolist()``); NCCL needs the GPU."""
+    backend = str(dist.get_backend(group))
+    return torch.device("cpu") if "gloo" in backend else torch.device("cuda")
+
+
+def _local_header(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int
+) -> tuple[list[int], list[list[int]]]:
+    """``(header, grid rows)``; a bad input sets a status code and sends no rows."""
+    dtype_code = _DTYPES.index(pixel_values.dtype) if pixel_values.dtype in _DTYPES else -1
+    numel = _row_numel(pixel_values) if pixel_values.dim() >= 1 else 0
+    pixel_rows = pixel_values.shape[0] if pixel_values.dim() >= 1 else 0
+    status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw, merge_size, dtype_code)
+    header = [status, arg0, arg1, len(rows), pixel_rows, numel, dtype_code]
+    return header, rows
+
+
+def _check_grid(pixel_values, grid_thw, merge_size, dtype_code):
+    if pixel_values.dim() < 2:
+        return 1, pixel_values.dim(), 0, []
+    if dtype_code < 0:
+        return 2, 0, 0, []
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        return 3, grid_thw.dim(), grid_thw.shape[-1] if grid_thw.dim() else 0, []
+    if grid_thw.dtype.is_floating_point or grid_thw.dtype == torch.bool:
+        return 4, 0, 0, []
+    rows = grid_thw.tolist()
+    for i, (t, h, w) in enumerate(rows):
+        if min(t, h, w) <= 0:
+            return 5, i, min(t, h, w), []
+        if h % merge_size or w % merge_size:
+            return 6, i, merge_size, []
+    expected = sum(t * h * w for t, h, w in rows)
+    if expected != pixel_values.shape[0]:
+        return 7, pixel_values.shape[0], expected, []
+    return 0, 0, 0, rows
+
+
+def _describe(status: int, arg0: int, arg1: int) -> str:
+    return {
+        1: f"pixel_values must have >= 2 dims (rows, features), got {arg0}",
+        2: f"pixel_values dtype must be one of {[str(d) for d in _DTYPES]}",
+        3: f"image_grid_thw must be 2-D with 3 columns [t, h, w], got {arg0} dims, {arg1} columns",
+        4: "image_grid_thw must have an integer dtype",
+        5: f"image_grid_thw row {arg0} has a non-positive size ({arg1})",
+        6: f"image_grid_thw row {arg0}: h and w must be multiples of the merge size {arg1}",
+        7: f"pixel_values has {arg0} rows but image_grid_thw sums to {arg1} (t*h*w)",
+    }[status]
+
+
+def _raise_on_bad_input(headers: list[list[int]]) -> None:
+    problems = [
+        f"rank {r}: {_describe(h[_STATUS], h[_ARG0], h[_ARG1])}"
+        for r, h in enumerate(headers)
+        if h[_STATUS]
+    ]
+    if not problems:
+        kinds = {(h[_DTYPE], h[_ROW_NUMEL]) for h in headers}
+        if len(kinds) > 1:
+            problems = [
+                f"rank {r}: pixel_values dtype {_DTYPES[h[_DTYPE]]}, {h[_ROW_NUMEL]} values/row"
+                for r, h in enumerate(headers)
+            ]
+            problems.insert(0, "ranks disagree on pixel_values dtype or row width")
+    if problems:
+        raise ValueError("vit dp balance: bad input; " + "; ".join(problems))

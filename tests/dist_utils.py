@@ -1,0 +1,48 @@
+"""Run a function on N gloo ranks in spawned processes (FileStore rendezvous, no ports)."""
+
+import datetime
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    """Call ``fn(rank, world_size, *args)`` on every rank; return each rank's return value.
+
+    A failure on any rank re-raises here with that rank's traceback; a hang past ``timeout``
+    kills the ranks and fails.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(
+            _worker,
+            args=(fn, world_size, tmp, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{world_size} ranks did not finish within {timeout} s")
+        return [torch.load(os.path.join(tmp, f"result{r}.pt")) for r in range(world_size)]
+
+
+def _worker(rank, fn, world_size, tmp, args):
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
