@@ -30,13 +30,23 @@ VIT_CHILD_NAMES = ("visual", "vision_model", "vision_tower", "image_encoder")
 class VisionEncoderSpec:
     """What balancing needs to know about a ViT class."""
 
-    spatial_merge_size: int
-    """Output rows per grid row are ``t*h*w / spatial_merge_size**2``; h and w must divide."""
     frame_independent: bool
     """True when every frame is encoded on its own (attention, positions, windows per frame), so
     a video's frames may be computed on different ranks with identical results."""
+    spatial_merge_size: int | None = None
+    """Output rows per grid row are ``t*h*w / spatial_merge_size**2``; h and w must divide.
+    None: read the instance's ``spatial_merge_size`` attribute (Qwen and GLM towers have one)."""
     cost_model: Callable[[nn.Module], ArchitectureCost] | None = None
     """Builds the architecture-aware cost model from a ViT instance."""
+
+    def merge_size(self, vit: nn.Module) -> int:
+        size = self.spatial_merge_size or getattr(vit, "spatial_merge_size", None)
+        if not isinstance(size, int) or size < 1:
+            raise TypeError(
+                f"{type(vit).__qualname__} has no spatial_merge_size attribute; register it with "
+                "an explicit spatial_merge_size"
+            )
+        return size
 
 
 _REGISTRY: dict[type, VisionEncoderSpec] = {}
@@ -45,8 +55,8 @@ _REGISTRY: dict[type, VisionEncoderSpec] = {}
 def register_vision_encoder(
     cls: type,
     *,
-    spatial_merge_size: int,
     frame_independent: bool,
+    spatial_merge_size: int | None = None,
     cost_model: Callable[[nn.Module], ArchitectureCost] | None = None,
 ) -> type:
     """Declare a ViT class balanceable (see ``VisionEncoderSpec`` for the fields). Returns ``cls``.
@@ -54,8 +64,8 @@ def register_vision_encoder(
     Raises:
         ValueError: ``spatial_merge_size`` < 1.
     """
-    if spatial_merge_size < 1:
-        raise ValueError(f"spatial_merge_size must be >= 1, got {spatial_merge_size}")
+    if spatial_merge_size is not None and spatial_merge_size < 1:
+        raise ValueError(f"spatial_merge_size must be >= 1 or None, got {spatial_merge_size}")
     _REGISTRY[cls] = VisionEncoderSpec(
         spatial_merge_size=spatial_merge_size,
         frame_independent=frame_independent,
@@ -75,7 +85,7 @@ def vision_encoder_spec(vit: nn.Module) -> VisionEncoderSpec:
             return _REGISTRY[cls]
     raise TypeError(
         f"{type(vit).__qualname__} is not a known vision encoder; declare it with "
-        "fx_vitbal.register_vision_encoder(cls, spatial_merge_size=..., frame_independent=...)"
+        "fx_vitbal.register_vision_encoder(cls, frame_independent=...)"
     )
 
 
@@ -173,7 +183,7 @@ def planner_for(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
     cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture)
     split = config.split_frames and spec.frame_independent
     return planner_spec(dataclasses.replace(config, split_frames=split), cost_model), (
-        spec.spatial_merge_size
+        spec.merge_size(vit)
     )
 
 
