@@ -199,7 +199,7 @@ def exchange(
     for dtype in dict.fromkeys(x.dtype for x in xs):  # one exchange per dtype, in first-use order
         members = [i for i, x in enumerate(xs) if x.dtype == dtype]
         widths = [_row_numel(xs[i]) for i in members]
-        flat = torch.cat([xs[i].reshape(xs[i].shape[0], w) for i, w in zip(members, widths)], 1)
+        flat = torch.cat([xs[i].reshape(xs[i].shape[0], _row_numel(xs[i])) for i in members], 1)
         if perm is not None and not reverse:
             flat = flat.index_select(0, perm.to(flat.device))
         moved = flat.new_empty(sum(out_splits), flat.shape[1])
