@@ -62,12 +62,19 @@ class BalanceConfig:
         if self.max_len_ratio is not None:
             _check(self.max_len_ratio >= 1, "max_len_ratio", self.max_len_ratio, ">= 1 or None")
         _check(self.tolerance >= 0, "tolerance", self.tolerance, ">= 0")
-        _check(self.max_iters >= 0, "max_iters", self.max_iters, ">= 0")
+        _check(
+            isinstance(self.max_iters, int) and self.max_iters >= 0,
+            "max_iters",
+            self.max_iters,
+            "an int >= 0",
+        )
         _check(self.cost_model in COST_MODELS, "cost_model", self.cost_model, f"in {COST_MODELS}")
         _check(self.strategy in STRATEGIES, "strategy", self.strategy, f"in {STRATEGIES}")
         _check(self.skip_rule in SKIP_RULES, "skip_rule", self.skip_rule, f"in {SKIP_RULES}")
         _check(0 <= self.min_gain < 1, "min_gain", self.min_gain, "in [0, 1)")
         coeffs = self.cost_coeffs
+        if coeffs is not None:  # a list from argparse or JSON: keep the config hashable
+            object.__setattr__(self, "cost_coeffs", tuple(coeffs))
         if self.cost_model == "polynomial" or coeffs is not None:
             _check(
                 coeffs is not None

@@ -149,13 +149,17 @@ def choose_cost_model(
     """Resolve a ``BalanceConfig.cost_model`` name against what is known about the ViT.
 
     Raises:
-        ValueError: ``architecture`` requested for a ViT whose dimensions are unknown.
+        ValueError: an unknown name, missing coefficients, or ``architecture`` requested for a ViT
+            whose dimensions are unknown.
     """
     if config_cost_model == "quadratic":
         return QuadraticCost()
     if config_cost_model == "polynomial":
-        a, b, c = coeffs
-        return PolynomialCost(a, b, c)
+        if coeffs is None or len(coeffs) != 3:
+            raise ValueError(f"the polynomial cost model needs (a, b, c), got {coeffs!r}")
+        return PolynomialCost(*coeffs)
+    if config_cost_model not in ("auto", "architecture"):
+        raise ValueError(f"unknown cost model {config_cost_model!r}")
     if architecture is None:
         if config_cost_model == "architecture":
             raise ValueError(

@@ -37,8 +37,9 @@ class Plan:
     assignment: list[list[tuple[int, int]]]
     applied: bool
     reason: str
-    """``applied``, ``balanced`` (below the trigger), ``no-gain``, ``dominant-unit`` (seed rule),
-    ``single-rank`` or ``empty``."""
+    """``applied``, ``balanced`` (below the trigger), ``no-gain``, ``cap`` (every plan found breaks
+    the row cap the current layout keeps), ``dominant-unit`` (seed rule), ``single-rank`` or
+    ``empty``."""
     loads_before: list[float]
     loads_after: list[float]
     imbalance_before: float
@@ -107,7 +108,7 @@ def solve_plan(
         return skip("dominant-unit")
 
     order = units.by_cost_desc()
-    dest, lpt_loads = _refine(
+    lpt, lpt_loads = _refine(
         _lpt(units, order, base, cap),
         units,
         base,
@@ -115,11 +116,20 @@ def solve_plan(
         mean_load * (1 + config.tolerance),
         config.max_iters,
     )
+    candidates = [lpt]
     if config.strategy == "min-move":
-        dest = _min_move(units, order, base, cap, max(lpt_loads) * (1.0 + MAKESPAN_SLACK)) or dest
-    if max(_loads(dest, units, base)) > max(loads_before) * (1.0 - config.min_gain):
+        accept = max(lpt_loads) * (1.0 + MAKESPAN_SLACK)
+        candidates.append(_min_move(units, order, base, cap, accept) or lpt)
+    plan = min(
+        (_make_plan(dest, units, base, loads_before, True, "applied", cap) for dest in candidates),
+        # Plans keeping the row cap first, then fewer rows moved (LPT, the reference, wins ties).
+        key=lambda p: (not p.cap_respected, p.moved_tokens),
+    )
+    if not plan.cap_respected and skip("cap").cap_respected:
+        return skip("cap")
+    if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
         return skip("no-gain")
-    return _make_plan(dest, units, base, loads_before, True, "applied", cap)
+    return plan
 
 
 class _Units:

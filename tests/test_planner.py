@@ -1,0 +1,457 @@
+"""Tests for the planner: property tests over random batches, then hand-built cases for each rule.
+
+The properties hold for any input; the hand cases pin down each documented decision (skip reasons,
+the memory cap, history) on inputs small enough to check by eye.
+"""
+
+import copy
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fx_vitbal.config import BalanceConfig
+from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
+from fx_vitbal.planner import MAKESPAN_SLACK, imbalance, solve_plan
+from fx_vitbal.workloads import sample_batches
+
+REASONS = {"applied", "balanced", "no-gain", "dominant-unit", "single-rank", "empty"}
+QWEN2_VL_7B = ArchitectureCost(hidden=1280, mlp_hidden=5120, depth=32, in_dim=1176, out_dim=3584)
+COST_MODELS = [
+    QuadraticCost(),
+    PolynomialCost(1e-4, 1.0, 100.0),
+    QWEN2_VL_7B,
+    dataclasses.replace(QWEN2_VL_7B, full_attention_layers=4, window_patches=64),
+]
+# Sized so the file runs in well under 30 s on two cores.
+PROPERTY_SETTINGS = settings(max_examples=100, deadline=None)
+
+
+@dataclasses.dataclass
+class Case:
+    costs: list[list[float]]
+    tokens: list[list[int]]
+    config: BalanceConfig
+    history: list[float] | None
+
+
+# One integer per unit (drawing three per unit made generation the bottleneck); it shrinks towards
+# the smallest grid (1, 2, 2).
+GRID_CODES = st.integers(0, 4 * 48 * 48 - 1)
+
+
+def decode_grid(code: int) -> tuple[int, int, int]:
+    t, hw = divmod(code, 48 * 48)
+    h, w = divmod(hw, 48)
+    return 1 + t, 2 + 2 * h, 2 + 2 * w
+
+
+CONFIGS = st.builds(
+    BalanceConfig,
+    trigger_threshold=st.sampled_from([0.0, 0.05, 0.2]),
+    max_len_ratio=st.sampled_from([None, 1.0, 1.2, 2.0]),
+    tolerance=st.sampled_from([0.0, 0.05]),
+    max_iters=st.sampled_from([0, 3, 20]),
+    strategy=st.sampled_from(["min-move", "lpt"]),
+    skip_rule=st.sampled_from(["no-gain", "seed"]),
+    min_gain=st.sampled_from([0.0, 0.02, 0.1]),
+)
+
+
+@st.composite
+def cases(draw, configs=CONFIGS) -> Case:
+    num_ranks = draw(st.integers(1, 16))
+    if draw(st.integers(0, 9)) == 0:
+        grids = [[] for _ in range(num_ranks)]  # sometimes nothing at all
+    else:
+        codes = st.lists(st.lists(GRID_CODES, max_size=12), min_size=num_ranks, max_size=num_ranks)
+        grids = [[decode_grid(c) for c in rank] for rank in draw(codes)]
+    model = draw(st.sampled_from(COST_MODELS))
+    costs = [[model(*g) for g in rank] for rank in grids]
+    tokens = [[math.prod(g) for g in rank] for rank in grids]
+    history = None
+    if draw(st.booleans()):
+        scale = max((c for rank in costs for c in rank), default=1.0)
+        fractions = st.floats(0.0, 3.0, allow_nan=False)
+        history = [
+            f * scale for f in draw(st.lists(fractions, min_size=num_ranks, max_size=num_ranks))
+        ]
+    return Case(costs, tokens, draw(configs), history)
+
+
+def plan_of(case: Case, **overrides):
+    config = dataclasses.replace(case.config, **overrides)
+    return solve_plan(case.costs, case.tokens, config=config, history=case.history)
+
+
+def identity(counts: list[int]) -> list[list[tuple[int, int]]]:
+    return [[(r, i) for i in range(n)] for r, n in enumerate(counts)]
+
+
+def recomputed_loads(case: Case, assignment) -> list[float]:
+    loads = list(case.history) if case.history is not None else [0.0] * len(case.costs)
+    for d, units in enumerate(assignment):
+        for src, idx in units:
+            loads[d] += case.costs[src][idx]
+    return loads
+
+
+def makespan(plan) -> float:
+    return max(plan.loads_after)
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_assignment_is_a_sorted_permutation_of_all_units(case):
+    plan = plan_of(case)
+    counts = [len(rank) for rank in case.costs]
+    assert len(plan.assignment) == len(counts)
+    assert sorted(u for units in plan.assignment for u in units) == sum(identity(counts), [])
+    assert all(units == sorted(units) for units in plan.assignment)
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_skipped_plan_is_the_identity_and_reason_is_documented(case):
+    plan = plan_of(case)
+    assert plan.reason in REASONS
+    assert plan.applied == (plan.reason == "applied")
+    if not plan.applied:
+        assert plan.assignment == identity([len(rank) for rank in case.costs])
+        assert plan.moved_tokens == 0
+        assert plan.loads_after == plan.loads_before
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_makespan_never_grows_and_applied_plans_gain_at_least_min_gain(case):
+    plan = plan_of(case)
+    assert makespan(plan) <= max(plan.loads_before)
+    if plan.applied:
+        assert makespan(plan) <= max(plan.loads_before) * (1 - case.config.min_gain)
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_reported_loads_imbalance_and_moved_tokens_match_the_assignment(case):
+    plan = plan_of(case)
+    home = identity([len(rank) for rank in case.costs])
+    assert plan.loads_before == pytest.approx(recomputed_loads(case, home), rel=1e-12)
+    assert plan.loads_after == pytest.approx(recomputed_loads(case, plan.assignment), rel=1e-12)
+    assert plan.imbalance_before == pytest.approx(imbalance(plan.loads_before), rel=1e-12)
+    assert plan.imbalance_after == pytest.approx(imbalance(plan.loads_after), rel=1e-12)
+    moved = sum(
+        case.tokens[src][idx]
+        for d, units in enumerate(plan.assignment)
+        for src, idx in units
+        if src != d
+    )
+    assert plan.moved_tokens == moved
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_history_is_added_to_the_loads_before(case):
+    plan = plan_of(case)
+    base = case.history or [0.0] * len(case.costs)
+    expected = [h + sum(rank) for h, rank in zip(base, case.costs, strict=True)]
+    assert plan.loads_before == pytest.approx(expected, rel=1e-12)
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_same_input_gives_the_same_plan(case):
+    first = plan_of(case)
+    again = solve_plan(
+        copy.deepcopy(case.costs),
+        copy.deepcopy(case.tokens),
+        config=case.config,
+        history=copy.deepcopy(case.history),
+    )
+    assert again == first
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_cap_respected_flag_is_truthful(case):
+    plan = plan_of(case)
+    ratio = case.config.max_len_ratio
+    total = sum(sum(rank) for rank in case.tokens)
+    cap = math.inf if ratio is None else total / len(case.tokens) * ratio
+    rows = [sum(case.tokens[s][i] for s, i in units) for units in plan.assignment]
+    within = all(
+        n <= cap or len(units) <= 1 for n, units in zip(rows, plan.assignment, strict=True)
+    )
+    assert plan.cap_respected == within
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_applied_plan_respects_a_cap_with_room_for_the_largest_unit(case):
+    total = sum(sum(rank) for rank in case.tokens)
+    largest = max((n for rank in case.tokens for n in rank), default=0)
+    if total == 0:
+        return
+    mean = total / len(case.tokens)
+    # mean * ratio >= mean + largest: the least-filled rank can always take one more unit.
+    ratio = 1 + largest / mean
+    plan = plan_of(case, max_len_ratio=ratio)
+    if not plan.applied:
+        return
+    assert plan.cap_respected
+    for units in plan.assignment:
+        if len(units) > 1:
+            assert sum(case.tokens[s][i] for s, i in units) <= mean * ratio
+
+
+NO_TRIGGER = CONFIGS.map(lambda c: dataclasses.replace(c, trigger_threshold=0.0, min_gain=0.0))
+
+
+@PROPERTY_SETTINGS
+@given(cases(configs=NO_TRIGGER))
+def test_min_move_makespan_is_within_the_slack_of_lpt(case):
+    min_move = plan_of(case, strategy="min-move")
+    lpt = plan_of(case, strategy="lpt")
+    assert makespan(min_move) <= makespan(lpt) * (1 + MAKESPAN_SLACK) * (1 + 1e-9)
+    if min_move.applied and lpt.applied and min_move.cap_respected == lpt.cap_respected:
+        assert min_move.moved_tokens <= lpt.moved_tokens
+
+
+@PROPERTY_SETTINGS
+@given(cases(configs=NO_TRIGGER.map(lambda c: dataclasses.replace(c, max_len_ratio=None))))
+def test_min_move_keeps_every_unit_home_when_home_is_within_the_slack(case):
+    lpt = plan_of(case, strategy="lpt")
+    if max(lpt.loads_before) > makespan(lpt) * (1 + MAKESPAN_SLACK) * (1 - 1e-9):
+        return
+    assert plan_of(case, strategy="min-move").moved_tokens == 0
+
+
+def realistic_case(num_ranks: int, images_per_rank: int, seed: int) -> Case:
+    grids = sample_batches(num_ranks, images_per_rank, mix="realistic", seed=seed)
+    costs = [[QWEN2_VL_7B(*g) for g in rank] for rank in grids]
+    tokens = [[math.prod(g) for g in rank] for rank in grids]
+    return Case(costs, tokens, BalanceConfig(trigger_threshold=0.0, min_gain=0.0), None)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_min_move_moves_far_fewer_tokens_than_lpt_on_realistic_batches(seed):
+    case = realistic_case(64, 8, seed)
+    min_move = plan_of(case, strategy="min-move")
+    lpt = plan_of(case, strategy="lpt")
+    assert min_move.applied and lpt.applied
+    assert makespan(min_move) <= makespan(lpt) * (1 + MAKESPAN_SLACK) * (1 + 1e-9)
+    assert min_move.moved_tokens < 0.6 * lpt.moved_tokens
+
+
+# Regression cases: each once broke the property it tests.
+
+
+@pytest.mark.parametrize(
+    ("costs", "tokens", "overrides"),
+    [
+        pytest.param(
+            [[], [16.0, 64.0, 64.0], []],
+            [[], [4, 8, 8], []],
+            {},
+            id="excess-covered-by-two-large-units",
+        ),
+        pytest.param(
+            [[], [16.0, 1600.0]],
+            [[], [4, 40]],
+            {"max_len_ratio": 1.0, "trigger_threshold": 0.0, "min_gain": 0.0},
+            id="row-cap-only",
+        ),
+    ],
+)
+def test_min_move_moves_no_more_tokens_than_lpt(costs, tokens, overrides):
+    config = dataclasses.replace(BalanceConfig(), **overrides)
+    min_move = solve_plan(costs, tokens, config=config)
+    lpt = solve_plan(costs, tokens, config=dataclasses.replace(config, strategy="lpt"))
+    assert min_move.moved_tokens <= lpt.moved_tokens
+
+
+def test_zero_gain_plan_is_skipped_even_with_min_gain_zero():
+    config = BalanceConfig(strategy="lpt", trigger_threshold=0.0, min_gain=0.0)
+    plan = solve_plan([[1.0, 1.0], [2.0]], [[1, 1], [2]], config=config)
+    assert (plan.reason, plan.moved_tokens) == ("no-gain", 0)
+
+
+@pytest.mark.parametrize(
+    ("costs", "tokens", "ratio"),
+    [
+        ([[0.0, 0.0, 1.0, 1.0], [0.0]], [[1, 1, 1, 1], [4]], 1.0),
+        ([[8.0, 8.0], [1.0], [4.0]], [[10, 10], [30], [2]], 1.5),
+    ],
+)
+@pytest.mark.parametrize("strategy", ["min-move", "lpt"])
+def test_applied_plan_keeps_a_row_cap_that_the_identity_respects(costs, tokens, ratio, strategy):
+    config = BalanceConfig(max_len_ratio=ratio, strategy=strategy)
+    identity_plan = solve_plan(
+        costs, tokens, config=dataclasses.replace(config, trigger_threshold=9.0)
+    )
+    assert identity_plan.cap_respected
+    assert solve_plan(costs, tokens, config=config).cap_respected
+
+
+# Hand cases: one per decision.
+
+
+def test_imbalance_is_max_over_mean_minus_one():
+    assert imbalance([3.0, 1.0]) == 0.5
+    assert imbalance([2.0, 2.0]) == 0.0
+    assert imbalance([0.0, 0.0]) == 0.0
+
+
+def test_imbalance_below_trigger_is_skipped_as_balanced():
+    plan = solve_plan([[10.0], [11.0]], [[1], [1]])
+    assert (plan.applied, plan.reason) == (False, "balanced")
+    assert plan.assignment == [[(0, 0)], [(1, 0)]]
+
+
+def test_equal_loads_are_balanced_and_without_trigger_give_no_gain():
+    costs, tokens = [[3.0, 3.0]] * 3, [[1, 1]] * 3
+    assert solve_plan(costs, tokens).reason == "balanced"
+    assert (
+        solve_plan(costs, tokens, config=BalanceConfig(trigger_threshold=0.0)).reason == "no-gain"
+    )
+
+
+DOMINANT = (
+    [[100.0, 10.0, 10.0, 10.0], [10.0], [10.0], [10.0]],
+    [[100, 10, 10, 10], [10], [10], [10]],
+)
+
+
+def test_seed_rule_skips_when_one_unit_costs_more_than_the_mean_load():
+    plan = solve_plan(*DOMINANT, config=BalanceConfig(skip_rule="seed"))
+    assert (plan.applied, plan.reason) == (False, "dominant-unit")
+
+
+@pytest.mark.parametrize("strategy", ["min-move", "lpt"])
+def test_default_rule_sheds_the_other_units_of_the_dominant_units_rank(strategy):
+    plan = solve_plan(*DOMINANT, config=BalanceConfig(strategy=strategy))
+    assert (plan.applied, plan.reason) == (True, "applied")
+    assert plan.assignment[0] == [(0, 0)]  # the 100 stays home, alone
+    assert makespan(plan) == 100.0  # the lower bound: 130 before
+
+
+@pytest.mark.parametrize("strategy", ["min-move", "lpt"])
+def test_unsplittable_makespan_is_skipped_as_no_gain(strategy):
+    plan = solve_plan([[100.0], [1.0]], [[1], [1]], config=BalanceConfig(strategy=strategy))
+    assert (plan.applied, plan.reason) == (False, "no-gain")
+    assert plan.assignment == [[(0, 0)], [(1, 0)]]
+
+
+def test_gain_below_min_gain_is_skipped():
+    costs, tokens = [[10.0, 1.0], [9.0]], [[10, 1], [9]]  # best plan: 11 -> 10, a 9% gain
+    skipped = solve_plan(costs, tokens, config=BalanceConfig(trigger_threshold=0.0, min_gain=0.1))
+    applied = solve_plan(costs, tokens, config=BalanceConfig(trigger_threshold=0.0, min_gain=0.05))
+    assert skipped.reason == "no-gain"
+    assert applied.reason == "applied"
+    assert (applied.loads_after, applied.moved_tokens) == ([10.0, 10.0], 1)
+
+
+def test_single_rank_is_skipped():
+    plan = solve_plan([[5.0, 1.0]], [[5, 1]])
+    assert (plan.applied, plan.reason) == (False, "single-rank")
+    assert plan.assignment == [[(0, 0), (0, 1)]]
+
+
+@pytest.mark.parametrize(
+    ("costs", "history"),
+    [([[], [], []], None), ([[], [], []], [5.0, 0.0, 0.0]), ([[0.0], [0.0, 0.0], []], None)],
+)
+def test_no_work_is_skipped_as_empty(costs, history):
+    tokens = [[1] * len(rank) for rank in costs]
+    plan = solve_plan(costs, tokens, history=history)
+    assert (plan.applied, plan.reason) == (False, "empty")
+    assert plan.assignment == identity([len(rank) for rank in costs])
+
+
+@pytest.mark.parametrize("strategy", ["min-move", "lpt"])
+def test_empty_ranks_receive_work(strategy):
+    costs, tokens = [[5.0] * 4, [], [], []], [[5] * 4, [], [], []]
+    plan = solve_plan(costs, tokens, config=BalanceConfig(strategy=strategy))
+    assert plan.applied
+    assert [len(units) for units in plan.assignment] == [1, 1, 1, 1]
+    assert plan.loads_after == [5.0] * 4
+    assert plan.moved_tokens == 15
+
+
+@pytest.mark.parametrize("strategy", ["min-move", "lpt"])
+def test_giant_unit_stays_home_and_small_ones_spread(strategy):
+    costs = [[1000.0, 50.0, 50.0], [50.0, 50.0], [50.0], []]
+    tokens = [[1000, 50, 50], [50, 50], [50], []]
+    plan = solve_plan(costs, tokens, config=BalanceConfig(strategy=strategy))
+    assert plan.applied
+    assert plan.assignment[0] == [(0, 0)]
+    assert makespan(plan) == 1000.0
+
+
+def test_min_move_sends_only_what_must_move():
+    # LPT deals the three 100s onto ranks 0, 1, 2 (all move); min-move ships one 50 to rank 0.
+    costs = [[], [100.0, 50.0], [100.0], [100.0]]
+    tokens = [[], [100, 50], [100], [100]]
+    plan = solve_plan(costs, tokens)
+    assert plan.assignment == [[(1, 1)], [(1, 0)], [(2, 0)], [(3, 0)]]
+    assert plan.moved_tokens == 50
+    assert solve_plan(costs, tokens, config=BalanceConfig(strategy="lpt")).moved_tokens == 350
+
+
+def test_history_makes_a_loaded_rank_shed_work():
+    costs, tokens = [[5.0, 5.0], [5.0, 5.0]], [[5, 5], [5, 5]]
+    plan = solve_plan(costs, tokens, history=[10.0, 0.0])
+    assert plan.loads_before == [20.0, 10.0]
+    assert plan.loads_after == [15.0, 15.0]
+    assert [len(units) for units in plan.assignment] == [1, 3]
+    assert plan.moved_tokens == 5
+
+
+def test_row_cap_keeps_work_off_a_rank_already_full_of_rows():
+    # Rank 1 holds one 30-row unit and the cap is 26 rows: uncapped, rank 1 takes more work;
+    # capped, rank 0's spare unit goes to rank 2 instead.
+    costs, tokens = [[8.0, 8.0], [1.0], [1.0]], [[10, 10], [30], [2]]
+    free = solve_plan(costs, tokens)
+    capped = solve_plan(costs, tokens, config=BalanceConfig(max_len_ratio=1.5))
+    assert free.applied and len(free.assignment[1]) > 1
+    assert capped.applied and capped.cap_respected
+    assert capped.assignment == [[(0, 0)], [(1, 0)], [(0, 1), (2, 0)]]
+    assert makespan(capped) == 9.0
+
+
+def test_unavoidable_cap_violation_is_reported():
+    # Three 30-row units on two ranks under a 45-row cap: some rank must hold two.
+    plan = solve_plan(
+        [[5.0, 5.0], [1.0]], [[30, 30], [30]], config=BalanceConfig(max_len_ratio=1.0)
+    )
+    assert plan.cap_respected is False
+
+
+@pytest.mark.parametrize(
+    ("costs", "tokens", "history", "message"),
+    [
+        ([], [], None, "at least one rank"),
+        ([[1.0]], [[1], [1]], None, "ranks but tokens"),
+        ([[1.0, 2.0]], [[1]], None, "rank 0"),
+        ([[1.0], [-1.0]], [[1], [1]], None, "rank 1: costs"),
+        ([[math.nan]], [[1]], None, "costs must be finite"),
+        ([[math.inf]], [[1]], None, "costs must be finite"),
+        ([[1.0]], [[-1]], None, "token counts"),
+        ([[1.0], [1.0]], [[1], [1]], [0.0], "history has 1 ranks"),
+        ([[1.0], [1.0]], [[1], [1]], [0.0, -1.0], "history must be"),
+        ([[1.0], [1.0]], [[1], [1]], [0.0, math.nan], "history must be"),
+    ],
+)
+def test_invalid_input_raises_value_error(costs, tokens, history, message):
+    with pytest.raises(ValueError, match=message):
+        solve_plan(costs, tokens, history=history)
+
+
+def test_destinations_invert_the_assignment():
+    plan = solve_plan([[5.0] * 4, [], [], []], [[5] * 4, [], [], []])
+    dest = plan.destinations([4, 0, 0, 0])
+    for d, units in enumerate(plan.assignment):
+        for src, idx in units:
+            assert dest[src][idx] == d
