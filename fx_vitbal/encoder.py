@@ -125,7 +125,9 @@ def enable_vit_balance(
     """Balance the ViT inside ``model`` (or ``model`` itself) in place; returns ``model``.
 
     The ViT's ``forward`` is replaced on the instance, so parameter names, ``state_dict`` keys,
-    hooks and FSDP wrapping are untouched. Calling it again updates config and group.
+    hooks and FSDP wrapping are untouched. Calling it again updates config and group. Balancing
+    runs while the ViT is in training mode: in eval mode (generation), ranks need not step
+    together. Hugging Face VLMs and towers go to ``fx_vitbal.integrations.hf``.
 
     Args:
         vit: the ViT, or its dotted path in ``model``. Default: ``model`` if its class is
@@ -135,10 +137,14 @@ def enable_vit_balance(
     Raises:
         ValueError: no ViT found.
     """
+    from fx_vitbal.integrations import hf  # it builds on this module
+
+    if vit is None and hf.is_hf_model(model):
+        return hf.enable_hf_vit_balance(model, config=config, group=group)
     module = find_vit(model, vit)
     original = getattr(module, "_vitbal_original_forward", module.forward)
     module._vitbal_original_forward = original
-    module.forward = functools.partial(_balanced_call, module, original, config=config, group=group)
+    module.forward = functools.partial(_training_call, module, original, config, group)
     return model
 
 
@@ -203,7 +209,7 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
     grid, routing = ops.plan(pixel_values, image_grid_thw, merge, planner, world_size, group_name)
     if not torch.compiler.is_compiling() and not routing[0]:
         return call(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
-    (pixels,) = ops.redistribute([pixel_values], routing, 1, None, group_name)
+    (pixels,) = ops.redistribute([pixel_values], routing, 1, merge * merge, None, group_name)
     embeds, window_index, deepstack = call(pixels, grid)
     out_rows = pixel_values.shape[0] // (merge * merge)
     restored = ops.restore([embeds, *deepstack], routing, merge * merge, out_rows, group_name)
@@ -212,10 +218,21 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
     return restored[0], window_index, list(restored[1:])
 
 
+def _training_call(vit, original, config, group, pixel_values, image_grid_thw):
+    if not vit.training:
+        return original(pixel_values, image_grid_thw)
+    return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group)
+
+
 def _unwrapped(vit: nn.Module) -> Callable:
     # A ViT already wrapped by enable_vit_balance must not be balanced twice.
     return getattr(vit, "_vitbal_original_forward", vit)
 
 
+def is_vision_encoder_class(cls: type) -> bool:
+    """True for classes declared with ``register_vision_encoder`` (and their subclasses)."""
+    return any(base in _REGISTRY for base in cls.__mro__)
+
+
 def _is_registered(module: nn.Module) -> bool:
-    return any(cls in _REGISTRY for cls in type(module).__mro__)
+    return is_vision_encoder_class(type(module))

@@ -37,8 +37,16 @@ _STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE = range(7)
 class Routing:
     """This rank's part of a plan: where each local unit goes and how many rows travel.
 
+    ``dummy_rows`` pixel rows of zeros (one ``[1, m, m]`` unit) are appended to this rank's ViT
+    batch when it would otherwise compute nothing, and their outputs are dropped: every rank then
+    runs the ViT every step (FSDP/ZeRO-3 all-gathers stay matched, towers that cannot take an
+    empty batch work) and compiled graphs may assume a non-empty batch.
+
     Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
-    ``[applied, num_units, world, unit_rows_U..., dest_U..., send_rows_R..., recv_rows_R...]``.
+    ``[applied, num_units, world, dummy_rows, send_rows_R, recv_rows_R, unit_rows_U, dest_U]``,
+    zero-padded to ``routing_size(max_units, world)``. The padding gives the tensor a size known
+    from the inputs (``max_units`` follows from the pixel rows), so compiled graphs need no fresh
+    data-dependent size for it.
     """
 
     applied: bool
@@ -46,31 +54,36 @@ class Routing:
     dest: list[int]
     send_rows: list[int]
     recv_rows: list[int]
+    dummy_rows: int = 0
 
-    def to_tensor(self) -> torch.Tensor:
-        header = [int(self.applied), len(self.unit_rows), len(self.send_rows)]
-        values = header + self.unit_rows + self.dest + self.send_rows + self.recv_rows
-        return torch.tensor(values, dtype=torch.int64)
+    def to_tensor(self, max_units: int) -> torch.Tensor:
+        header = [int(self.applied), len(self.unit_rows), len(self.send_rows), self.dummy_rows]
+        values = header + self.send_rows + self.recv_rows + self.unit_rows + self.dest
+        padding = routing_size(max_units, len(self.send_rows)) - len(values)
+        if padding < 0:
+            raise ValueError(f"{len(self.unit_rows)} units do not fit in max_units={max_units}")
+        return torch.tensor(values + [0] * padding, dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
         values = routing.tolist()  # CPU tensor: no device sync
-        applied, num_units, world = values[:3]
-        body = values[3:]
-        if len(body) != 2 * num_units + 2 * world:
+        applied, num_units, world, dummy_rows = values[:4]
+        body = values[4:]
+        if len(body) < 2 * num_units + 2 * world:
             raise ValueError(f"malformed routing tensor of {len(values)} values")
         return cls(
             applied=bool(applied),
-            unit_rows=body[:num_units],
-            dest=body[num_units : 2 * num_units],
-            send_rows=body[2 * num_units : 2 * num_units + world],
-            recv_rows=body[2 * num_units + world :],
+            send_rows=body[:world],
+            recv_rows=body[world : 2 * world],
+            unit_rows=body[2 * world : 2 * world + num_units],
+            dest=body[2 * world + num_units : 2 * world + 2 * num_units],
+            dummy_rows=dummy_rows,
         )
 
 
-def routing_size(num_units: int, world_size: int) -> int:
+def routing_size(max_units: int, world_size: int) -> int:
     """Length of a packed routing tensor."""
-    return 3 + 2 * num_units + 2 * world_size
+    return 4 + 2 * world_size + 2 * max_units
 
 
 def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
@@ -158,8 +171,11 @@ def plan_units(
     return plan, units_R
 
 
-def local_routing(plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int) -> Routing:
-    """This rank's send/receive layout under ``plan``."""
+def local_routing(
+    plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int, merge_size: int = 1
+) -> Routing:
+    """This rank's send/receive layout under ``plan`` (with a dummy unit of ``merge_size**2``
+    rows if the rank would compute nothing)."""
     world = len(units_R)
     rows_R = [[t * h * w for t, h, w in units] for units in units_R]
     dest = plan.destinations([len(units) for units in units_R])[rank]
@@ -169,12 +185,26 @@ def local_routing(plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: i
     recv_rows = [0] * world
     for src, idx in plan.assignment[rank]:
         recv_rows[src] += rows_R[src][idx]
-    return Routing(plan.applied, rows_R[rank], dest, send_rows, recv_rows)
+    dummy_rows = merge_size**2 if not plan.assignment[rank] else 0
+    return Routing(plan.applied, rows_R[rank], dest, send_rows, recv_rows, dummy_rows)
 
 
-def balanced_grid(plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int) -> list:
-    """Grid rows of the units this rank computes, in arrival order (no collective needed)."""
-    return [list(units_R[src][idx]) for src, idx in plan.assignment[rank]]
+def balanced_grid(
+    plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int, merge_size: int
+) -> list[list[int]]:
+    """Grid rows this rank computes, in arrival order (no collective needed); the dummy unit
+    ``[1, m, m]`` when there is nothing else."""
+    rows = [list(units_R[src][idx]) for src, idx in plan.assignment[rank]]
+    return rows or [[1, merge_size, merge_size]]
+
+
+def with_dummy(xs: Sequence[torch.Tensor], rows: int, add: bool) -> list[torch.Tensor]:
+    """Append ``rows`` zero rows to each tensor (``add``) or drop its last ``rows`` rows."""
+    if not rows:
+        return list(xs)
+    if add:
+        return [torch.cat([x, x.new_zeros(rows, *x.shape[1:])]) for x in xs]
+    return [x[: x.shape[0] - rows] for x in xs]
 
 
 def exchange(

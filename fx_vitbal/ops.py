@@ -11,13 +11,15 @@ Conventions (each one fixes a failure seen on torch 2.13):
   may receive nothing). ``restore`` takes its output row count as a ``SymInt`` so the rest of the
   model sees ordinary (backed) sizes.
 - The routing tensor lives on the CPU: reading it never syncs a GPU.
-- All three are ordered side effects, so no compiler pass reorders or drops a collective.
+- No effect tokens: registering the ops as ``EffectType.ORDERED`` breaks inductor on torch 2.13
+  (lowering ``with_effects`` re-creates the ops' unbacked sizes and the scheduler then fails
+  with ``AssertionError: u8 not in {...}``). Order is already fixed by data: ``plan`` feeds
+  ``routing`` to both moves, ``restore`` consumes the ViT's output, and every output is used.
 - Each move's backward is the opposite move (``redistribute`` <-> ``restore``).
 """
 
 import torch
 import torch.distributed as dist
-from torch._library.effects import EffectType
 
 from fx_vitbal.exchange import (
     Routing,
@@ -27,6 +29,7 @@ from fx_vitbal.exchange import (
     local_routing,
     plan_units,
     routing_size,
+    with_dummy,
 )
 
 
@@ -58,21 +61,26 @@ def plan(
     rank = dist.get_rank(group)
     grids_R = gather_grids(pixel_values, grid_thw, merge_size, group)
     solved, units_R = plan_units(grids_R, rank, planner)
-    routing = local_routing(solved, units_R, rank).to_tensor()
-    if not solved.applied:
-        return grid_thw.clone(), routing
-    rows = balanced_grid(solved, units_R, rank)
-    grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device).reshape(-1, 3)
+    routing = local_routing(solved, units_R, rank, merge_size)
+    routing = routing.to_tensor(max_units(pixel_values.shape[0], merge_size))
+    rows = balanced_grid(solved, units_R, rank, merge_size)
+    if not solved.applied:  # the original batch, plus the dummy unit if it is empty
+        rows = grid_thw.tolist() or rows
+    grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device)
     return grid, routing
+
+
+def max_units(pixel_rows: int, merge_size: int) -> int:
+    """Upper bound on a rank's units: each has at least ``merge_size**2`` rows."""
+    return pixel_rows // (merge_size * merge_size)
 
 
 @plan.register_fake
 def _(pixel_values, grid_thw, merge_size, planner, world_size, group_name):
     ctx = torch.library.get_ctx()
-    grid = grid_thw.new_empty(ctx.new_dynamic_size(min=0), 3)
-    routing = torch.empty(
-        routing_size(ctx.new_dynamic_size(min=0), world_size), dtype=torch.int64, device="cpu"
-    )
+    grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit
+    size = routing_size(max_units(pixel_values.shape[0], merge_size), world_size)
+    routing = torch.empty(size, dtype=torch.int64, device="cpu")
     return grid, routing
 
 
@@ -81,21 +89,25 @@ def redistribute(
     xs: list[torch.Tensor],
     routing: torch.Tensor,
     shrink: int,
+    min_rows: int,
     out_rows: int | None,
     group_name: str,
 ) -> list[torch.Tensor]:
     """Send each local unit's rows to the rank computing it; returns the balanced tensors.
 
     ``shrink`` divides pixel rows into the tensors' rows (1 for pixels, merge_size**2 for merged
-    outputs). ``out_rows`` is only known in backward graphs, where it is the forward's input rows.
+    outputs). ``min_rows`` is a true lower bound on the result's rows (the dummy unit's rows),
+    declared to the compiler. ``out_rows`` is only known in backward graphs, where it is the
+    forward's input rows.
     """
     return _move(xs, routing, shrink, False, group_name)
 
 
 @redistribute.register_fake
-def _(xs, routing, shrink, out_rows, group_name):
-    rows = out_rows if out_rows is not None else torch.library.get_ctx().new_dynamic_size(min=0)
-    return [x.new_empty(rows, *x.shape[1:]) for x in xs]
+def _(xs, routing, shrink, min_rows, out_rows, group_name):
+    if out_rows is None:
+        out_rows = torch.library.get_ctx().new_dynamic_size(min=min_rows)
+    return [x.new_empty(out_rows, *x.shape[1:]) for x in xs]
 
 
 @torch.library.custom_op("vitbal::restore", mutates_args=())
@@ -121,13 +133,18 @@ def _move(xs, routing, shrink, reverse, group_name):
     if len({x.shape[0] for x in xs}) != 1:
         raise ValueError(f"tensors moved together must share rows, got {[x.shape for x in xs]}")
     route = Routing.from_tensor(routing)
-    if not route.applied:  # every rank agrees (the plan is global): nothing to send anywhere
-        return [x.clone() for x in xs]
-    return exchange(xs, route, shrink, reverse, resolve_group(group_name))
+    dummy = route.dummy_rows // shrink
+    if reverse:
+        xs = with_dummy(xs, dummy, add=False)
+    if route.applied:
+        xs = exchange(xs, route, shrink, reverse, resolve_group(group_name))
+    else:  # every rank agrees (the plan is global): nothing to send anywhere
+        xs = [x.clone() for x in xs]
+    return xs if reverse else with_dummy(xs, dummy, add=True)
 
 
 def _setup_context(ctx, inputs, output):
-    xs, routing, shrink, _, group_name = inputs
+    xs, routing, shrink, group_name = inputs[0], inputs[1], inputs[2], inputs[-1]
     ctx.routing, ctx.shrink, ctx.group_name = routing, shrink, group_name
     ctx.in_rows = xs[0].shape[0]
     ctx.out_like = [torch.empty_like(o, device="meta") for o in output]
@@ -144,17 +161,15 @@ def _gradients(ctx, grads):
 
 def _redistribute_backward(ctx, grads):
     moved = restore(_gradients(ctx, grads), ctx.routing, ctx.shrink, ctx.in_rows, ctx.group_name)
-    return moved, None, None, None, None
+    return moved, None, None, None, None, None
 
 
 def _restore_backward(ctx, grads):
     moved = redistribute(
-        _gradients(ctx, grads), ctx.routing, ctx.shrink, ctx.in_rows, ctx.group_name
+        _gradients(ctx, grads), ctx.routing, ctx.shrink, 0, ctx.in_rows, ctx.group_name
     )
     return moved, None, None, None, None
 
 
 redistribute.register_autograd(_redistribute_backward, setup_context=_setup_context)
 restore.register_autograd(_restore_backward, setup_context=_setup_context)
-for _op in (plan, redistribute, restore):
-    _op.register_effect(EffectType.ORDERED)

@@ -1,5 +1,6 @@
 """Run a function on N gloo ranks in spawned processes (FileStore rendezvous, no ports)."""
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -33,6 +34,38 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                     process.kill()
                 raise TimeoutError(f"{world_size} ranks did not finish within {timeout} s")
         return [torch.load(os.path.join(tmp, f"result{r}.pt")) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def record_moves():
+    """Record, per exchange the ops run, which local units left or came home (``dest != rank``).
+
+    Compiled graphs call the ops' Python implementations at run time too, so this proves real
+    movement in eager and compiled runs alike (matching outputs alone would not: a passthrough
+    also matches).
+    """
+    import fx_vitbal.ops
+
+    original = fx_vitbal.ops.exchange
+    moves = []
+
+    def recording(xs, routing, shrink, reverse, group):
+        rank = dist.get_rank(group)
+        moves.append(sum(d != rank for d in routing.dest))
+        return original(xs, routing, shrink, reverse, group)
+
+    fx_vitbal.ops.exchange = recording
+    try:
+        yield moves
+    finally:
+        fx_vitbal.ops.exchange = original
+
+
+def assert_units_moved(results) -> None:
+    """Every rank exchanged in lockstep, and some rank sent a unit away."""
+    counts = [len(res["moves"]) for res in results]
+    assert len(set(counts)) == 1 and counts[0] > 0, f"exchanges per rank: {counts}"
+    assert any(sum(res["moves"]) for res in results), "no unit moved: a passthrough also matches"
 
 
 def _worker(rank, fn, world_size, tmp, args):

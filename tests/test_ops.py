@@ -27,7 +27,7 @@ def _opcheck_all(rank: int, world: int) -> list[str]:
         (torch.ops.vitbal.plan.default, plan_args),
         (
             torch.ops.vitbal.redistribute.default,
-            ([pixels.clone().requires_grad_(True)], routing, 1, None, "0"),
+            ([pixels.clone().requires_grad_(True)], routing, 1, 4, None, "0"),
         ),
         (torch.ops.vitbal.restore.default, ([merged, deep], routing, 4, pixels.shape[0] // 4, "0")),
     ):
@@ -38,8 +38,12 @@ def _opcheck_all(rank: int, world: int) -> list[str]:
 
 def test_every_vitbal_op_passes_opcheck_on_two_ranks():
     results = run_ranks(_opcheck_all, 2)
-    assert results[0] == results[1] == [
-        "vitbal.plan.default",
-        "vitbal.redistribute.default",
-        "vitbal.restore.default",
-    ]
+    assert (
+        results[0]
+        == results[1]
+        == [
+            "vitbal.plan.default",
+            "vitbal.redistribute.default",
+            "vitbal.restore.default",
+        ]
+    )
