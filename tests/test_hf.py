@@ -1,0 +1,395 @@
+"""Hugging Face towers and parents: balanced runs equal unbalanced ones (2 gloo ranks).
+
+Tiny random models (no downloads). Each spawn builds several families, so the whole file costs
+two spawns plus one transformers import here.
+"""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+from fx_vitbal.config import BalanceConfig  # noqa: E402
+from fx_vitbal.cost import ArchitectureCost  # noqa: E402
+from fx_vitbal.exchange import parse_planner_spec  # noqa: E402
+from fx_vitbal.integrations import hf  # noqa: E402
+
+TEXT = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+TOKENS = dict(
+    image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123
+)
+QWEN2_VISION = dict(depth=2, embed_dim=64, hidden_size=64, num_heads=4, mlp_ratio=2)
+QWEN25_VISION = dict(
+    depth=4,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    out_hidden_size=64,
+    fullatt_block_indexes=[1, 3],
+    window_size=112,
+)
+QWEN35_VISION = dict(
+    depth=4,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    out_hidden_size=64,
+    num_position_embeddings=144,
+)
+QWEN3_VISION = dict(QWEN35_VISION, deepstack_visual_indexes=[0, 2])
+GLM_VISION = dict(
+    depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64, image_size=112
+)
+MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+# family -> (config class, model class, vision config, extra text config)
+PARENTS = {
+    "qwen2_vl": (
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        QWEN2_VISION,
+        {"rope_parameters": MROPE},
+    ),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        QWEN25_VISION,
+        {"rope_parameters": MROPE},
+    ),
+    "qwen3_vl": (
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        QWEN3_VISION,
+        {"rope_parameters": {**MROPE, "mrope_interleaved": True}},
+    ),
+    "glm4v": (
+        "Glm4vConfig",
+        "Glm4vForConditionalGeneration",
+        GLM_VISION,
+        {"rope_parameters": {**MROPE, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}},
+    ),
+    "qwen3_5": (
+        "Qwen3_5Config",
+        "Qwen3_5ForConditionalGeneration",
+        QWEN35_VISION,
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "rope_parameters": {**MROPE, "mrope_interleaved": True, "partial_rotary_factor": 1.0},
+        },
+    ),
+}
+# Families whose chat template wraps every video frame in its own vision_start/end group.
+PER_FRAME_TOKENS = {"qwen3_vl", "qwen3_5", "glm4v"}
+# (image grids, video grids) per step and rank. Step 0: skewed, rank 1 a thumbnail (GLM: a
+# 2-frame video, since GLM cannot mix images and videos in one sample); step 1: rank 1 text-only
+# while rank 0 is heavy (it must take over work and still run backward's collective); step 2:
+# text-only everywhere. Sizes include non-multiples of Qwen2.5's 8x8-patch window.
+STEPS = [
+    [([[1, 16, 12], [1, 6, 10]], [[2, 4, 6]]), ([[1, 2, 2]], [])],
+    [([[1, 10, 14], [1, 4, 6], [1, 2, 4]], [[2, 4, 4]]), ([], [])],
+    [([], []), ([], [])],
+]
+
+
+def build_parent(family: str):
+    config_cls, model_cls, vision, text = PARENTS[family]
+    config = getattr(transformers, config_cls)(
+        vision_config=vision, text_config={**TEXT, **text}, **TOKENS
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)  # identical weights on every rank and in both runs
+    return getattr(transformers, model_cls)(config).float().train()
+
+
+def make_batch(family: str, rank: int, step: int, width: int) -> dict:
+    images, videos = STEPS[step][rank]
+    if family == "glm4v" and (step, rank) == (0, 1):
+        images, videos = [], [[2, 4, 4]]
+    if family == "glm4v" and images:
+        videos = []  # GLM counts video frames as image tokens: one modality per sample
+    ids, types = [5, 6], [0, 0]
+    for grid in images:
+        n = grid[0] * grid[1] * grid[2] // 4
+        ids += [122] + [120] * n + [123, 7]
+        types += [0] + [1] * n + [0, 0]
+    video_token = 120 if family == "glm4v" else 121
+    for t, h, w in videos:
+        for n in [h * w // 4] * t if family in PER_FRAME_TOKENS else [t * h * w // 4]:
+            ids += [8, 122] + [video_token] * n + [123]
+            types += [0, 0] + [2] * n + [0]
+    ids += [9, 10, 11]
+    types += [0, 0, 0]
+    batch = {
+        # The LM's hidden states stay available (the balanced tower returns none of its own).
+        "output_hidden_states": step == 0,
+        "input_ids": torch.tensor([ids]),
+        "mm_token_type_ids": torch.tensor([types]),
+        "labels": torch.tensor([ids]),
+    }
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    for grids, pixels_key, grid_key in (
+        (images, "pixel_values", "image_grid_thw"),
+        (videos, "pixel_values_videos", "video_grid_thw"),
+    ):
+        if grids:
+            rows = sum(t * h * w for t, h, w in grids)
+            batch[pixels_key] = torch.randn(rows, width, generator=generator)
+            batch[grid_key] = torch.tensor(grids)
+    return batch
+
+
+def _pixel_width(tower) -> int:
+    c = tower.config
+    return c.in_channels * c.temporal_patch_size * c.patch_size**2
+
+
+def _all_reduced_grads(model: torch.nn.Module) -> torch.Tensor:
+    grads = [
+        p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+        for p in model.parameters()
+    ]
+    flat = torch.cat(grads)
+    dist.all_reduce(flat)
+    return flat
+
+
+def _train_step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.logits.detach(), _all_reduced_grads(model)
+
+
+def _parents_balanced_vs_local(rank: int, world: int, families: list) -> dict:
+    results = {}
+    for family in families:
+        model = build_parent(family)
+        tower = model.get_encoder(modality="image")
+        keys = list(model.state_dict())
+        batches = [make_batch(family, rank, s, _pixel_width(tower)) for s in range(len(STEPS))]
+        reference = [_train_step(model, batch) for batch in batches]
+        hf.enable_hf_vit_balance(model)
+        hf.enable_hf_vit_balance(model)  # idempotent
+        computed_rows = []
+        tower.patch_embed.register_forward_pre_hook(
+            lambda module, args, rows=computed_rows: rows.append(args[0].shape[0])
+        )
+        balanced = [_train_step(model, batch) for batch in batches]
+        local_rows = [
+            sum(b[k].shape[0] for k in ("pixel_values", "pixel_values_videos") if k in b)
+            for b in batches
+        ]
+        results[family] = {
+            "reference": reference,
+            "balanced": balanced,
+            "computed_rows": computed_rows,
+            "local_rows": local_rows,
+            "same_keys": keys == list(model.state_dict()),
+        }
+    return results
+
+
+def test_parents_balanced_equal_unbalanced_logits_and_gradients():
+    families = list(PARENTS)
+    results = run_ranks(_parents_balanced_vs_local, 2, families)
+    for family in families:
+        for rank, res in enumerate(r[family] for r in results):
+            assert res["same_keys"], family
+            for step, (got, want) in enumerate(zip(res["balanced"], res["reference"], strict=True)):
+                msg = f"{family} rank {rank} step {step}"
+                torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5, msg=msg)
+                torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5, msg=msg)
+            # One tower call per step on every rank, text-only steps included.
+            assert len(res["computed_rows"]) == len(STEPS), family
+        rows = [r[family]["computed_rows"] for r in results]
+        local = [r[family]["local_rows"] for r in results]
+        # Images really moved: at step 0 the thumbnail rank computed more than its own rows, and
+        # at step 1 the text-only rank computed some of rank 0's images (not just the 4-row dummy).
+        assert rows[1][0] > local[1][0], (family, rows, local)
+        assert rows[1][1] > 4 and rows[0][1] < local[0][1], (family, rows, local)
+
+
+SIBLINGS = {
+    "qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniVisionEncoder": (
+        "qwen2_5_omni.configuration_qwen2_5_omni.Qwen2_5OmniVisionEncoderConfig",
+        QWEN25_VISION,
+    ),
+    "qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeVisionModel": (
+        "qwen3_vl_moe.configuration_qwen3_vl_moe.Qwen3VLMoeVisionConfig",
+        QWEN3_VISION,
+    ),
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeVisionEncoder": (
+        "qwen3_omni_moe.configuration_qwen3_omni_moe.Qwen3OmniMoeVisionEncoderConfig",
+        QWEN3_VISION,
+    ),
+    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeVisionModel": (
+        "qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeVisionConfig",
+        QWEN35_VISION,
+    ),
+    "glm4v_moe.modeling_glm4v_moe.Glm4vMoeVisionModel": (
+        "glm4v_moe.configuration_glm4v_moe.Glm4vMoeVisionConfig",
+        GLM_VISION,
+    ),
+    "glm_ocr.modeling_glm_ocr.GlmOcrVisionModel": (
+        "glm_ocr.configuration_glm_ocr.GlmOcrVisionConfig",
+        GLM_VISION,
+    ),
+}
+TOWER_GRIDS = [[[1, 16, 12], [1, 2, 2], [1, 6, 10], [1, 10, 14]], []]
+
+
+def _load(path: str):
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"transformers.models.{module}"), name)
+
+
+def build_tower(path: str):
+    config_path, vision = SIBLINGS[path]
+    config = _load(config_path)(**vision)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return _load(path)(config).float().train()
+
+
+def _tower_loss(out) -> torch.Tensor:
+    outputs = [out.pooler_output, *(out.get("deepstack_features") or ())]
+    return sum((x * torch.linspace(-1, 1, x.numel()).view_as(x)).sum() for x in outputs)
+
+
+def _towers_balanced_vs_local(rank: int, world: int, paths: list) -> dict:
+    results = {}
+    grids = TOWER_GRIDS[rank]
+    for path in paths:
+        tower = build_tower(path)
+        width = _pixel_width(tower)
+        rows = sum(t * h * w for t, h, w in grids)
+        pixels = torch.randn(rows, width, generator=torch.Generator().manual_seed(rank))
+        grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+        want = None
+        if grids:  # HF towers cannot run on zero rows; the balanced one can
+            want = tower(pixels, grid_thw=grid)
+            _tower_loss(want).backward()
+        want_grads = _all_reduced_grads(tower)
+        hf.enable_hf_vit_balance(tower)
+        with pytest.raises(ValueError, match="output_hidden_states"):
+            tower(pixels, grid_thw=grid, output_hidden_states=True)
+        tower.zero_grad(set_to_none=True)
+        seen = []
+        tower.patch_embed.register_forward_pre_hook(
+            lambda m, a, rows=seen: rows.append(a[0].shape[0])
+        )
+        got = tower(pixels, grid_thw=grid, cu_seqlens=torch.tensor([0, 1]))  # stale: dropped
+        _tower_loss(got).backward()
+        as_tuple = tower(pixels, grid_thw=grid, return_dict=False)
+        results[path] = {
+            "got": [got.pooler_output.detach(), *(got.get("deepstack_features") or ())],
+            "want": None
+            if want is None
+            else [want.pooler_output.detach()] + list(want.get("deepstack_features") or ()),
+            "grads": (_all_reduced_grads(tower), want_grads),
+            "type": (type(got).__name__, type(want).__name__ if want is not None else None),
+            "last_hidden_state": got.last_hidden_state,
+            "tuple_head": as_tuple[0],
+            "tuple_pooler": as_tuple[1].detach(),
+            "seen": seen[0],
+            "rows": rows,
+        }
+    return results
+
+
+def test_sibling_towers_balanced_equal_unbalanced():
+    paths = list(SIBLINGS)
+    results = run_ranks(_towers_balanced_vs_local, 2, paths)
+    for path in paths:
+        home, empty = results[0][path], results[1][path]
+        for got, want in zip(home["got"], home["want"], strict=True):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(home["tuple_pooler"], home["want"][0], rtol=1e-5, atol=1e-5)
+        assert home["tuple_head"] is None and home["last_hidden_state"] is None
+        assert home["type"][0] == home["type"][1], path
+        assert all(x.shape[0] == 0 for x in empty["got"]), path
+        for res in (home, empty):
+            torch.testing.assert_close(*res["grads"], rtol=1e-5, atol=1e-5, msg=path)
+        assert empty["seen"] > 0 and home["seen"] < home["rows"], path  # the empty rank worked
+
+
+def test_kimi_is_refused_and_unknown_towers_raise():
+    kimi = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
+    config = kimi.Kimi_K25VisionConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        pos_emb_height=8,
+        pos_emb_width=8,
+    )
+    with pytest.raises(TypeError, match="attends across the frames"):
+        hf.enable_hf_vit_balance(kimi.Kimi_K25VisionModel(config))
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{k: v for k, v in TEXT.items() if k != "head_dim"})
+    )
+    with pytest.raises(TypeError, match="LlamaForCausalLM is not a supported vision tower"):
+        hf.enable_hf_vit_balance(llama)
+    with pytest.raises(TypeError, match="not a supported vision tower"):
+        hf.enable_hf_vit_balance(torch.nn.Linear(2, 2))
+
+
+def test_without_process_group_is_plain_and_keeps_the_model():
+    model = build_parent("qwen2_5_vl")
+    tower = model.get_encoder(modality="image")
+    batch = make_batch("qwen2_5_vl", 0, 0, _pixel_width(tower))
+    want = model(**batch).logits
+    keys = list(model.state_dict())
+    assert hf.enable_hf_vit_balance(model) is model
+    assert list(model.state_dict()) == keys and tower.dtype == torch.float32
+    torch.testing.assert_close(model(**batch).logits, want, rtol=0, atol=0)
+    assert hf.is_hf_model(model) and hf.is_hf_model(tower)
+    assert not hf.is_hf_model(torch.nn.Linear(2, 2))
+
+
+def test_cost_model_comes_from_the_tower_config():
+    model = build_parent("qwen2_5_vl")
+    cost = hf.architecture_cost(model.get_encoder(modality="image"))
+    assert cost == ArchitectureCost(
+        hidden=64,
+        mlp_hidden=128,
+        depth=4,
+        in_dim=1176,
+        out_dim=64,
+        full_attention_layers=2,
+        window_patches=64,
+        gated_mlp=True,
+    )
+    qwen3 = build_parent("qwen3_vl").get_encoder(modality="image")
+    assert hf.architecture_cost(qwen3).num_mergers == 3
+    glm = build_parent("glm4v").get_encoder(modality="image")
+    assert hf.architecture_cost(glm).mlp_hidden == 64  # Glm4vVisionMlp is out_hidden_size wide
+    hf.enable_hf_vit_balance(qwen3, config=BalanceConfig())  # cost_model="auto"
+    _, chosen = parse_planner_spec(qwen3._vitbal_hf.planner)
+    assert chosen == hf.architecture_cost(qwen3)
+
+
+def test_is_hf_model_does_not_import_transformers():
+    code = (
+        "import sys, torch; from fx_vitbal.integrations import hf; "
+        "assert not hf.is_hf_model(torch.nn.Linear(1, 1)); "
+        "assert 'transformers' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
