@@ -1,0 +1,116 @@
+"""The ``vitbal`` torch.compile backend: balance the ViT, then hand the graph to a real compiler.
+
+Registered through the ``torch_dynamo_backends`` entry point (see pyproject.toml), so
+``torch.compile(model, backend="vitbal")`` works once the package is installed.
+
+Where the balancing ops come from, per graph dynamo hands us:
+- a model wrapped by ``enable_vit_balance``: dynamo traces the wrapper, so ``vitbal::*`` ops are
+  already in the graph (or, by default, dynamo breaks the graph at them and runs them between
+  compiled graphs, which also keeps the ViT compiled with ordinary shapes);
+- a graph that still calls the ViT as a ``call_module`` leaf (an FX-traced model passed to
+  ``torch.compile``): ``apply_vit_balance_pass`` rewrites it here.
+
+A graph that holds ``vitbal`` ops with data-dependent sizes can only compile when the shape
+environment allows dynamic output shapes. If it does not, AOTAutograd would fail, dynamo would
+fall back to running the frame eagerly, and a graph this backend rewrote would then run *without*
+balancing while still giving plausible results. The backend raises instead.
+"""
+
+import logging
+
+import torch
+from torch import fx
+
+from fx_vitbal.config import BalanceConfig
+from fx_vitbal.encoder import is_vision_encoder_class
+from fx_vitbal.passes.vit_balance import apply_vit_balance_pass
+
+log = logging.getLogger(__name__)
+
+VITBAL_OPS = (
+    torch.ops.vitbal.plan.default,
+    torch.ops.vitbal.redistribute.default,
+    torch.ops.vitbal.restore.default,
+)
+
+
+def make_vitbal_backend(
+    *, inner: str = "inductor", config: BalanceConfig | None = None, group=None
+):
+    """A ``torch.compile`` backend balancing the ViT and delegating to the ``inner`` backend.
+
+    Args:
+        inner: any registered backend name (``inductor``, ``aot_eager``, ...).
+        config, group: passed to ``apply_vit_balance_pass``.
+    """
+
+    def backend(gm: fx.GraphModule, example_inputs, **kwargs):
+        return vitbal_backend(gm, example_inputs, inner=inner, config=config, group=group, **kwargs)
+
+    return backend
+
+
+def vitbal_backend(
+    gm: fx.GraphModule,
+    example_inputs,
+    *,
+    inner: str = "inductor",
+    config: BalanceConfig | None = None,
+    group=None,
+    options: dict | None = None,
+    **kwargs,
+):
+    """``torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})``.
+
+    ``options`` may carry ``inner``, ``config`` and ``group``; the rest goes to the inner backend.
+
+    Raises:
+        RuntimeError: the graph holds balancing ops but cannot compile them (see module doc).
+    """
+    options = dict(options or {})
+    inner = options.pop("inner", inner)
+    config = options.pop("config", config)
+    group = options.pop("group", group)
+    before = _count_ops(gm)
+    apply_vit_balance_pass(gm, config=config, group=group)
+    added = _count_ops(gm) - before
+    if added:
+        _require_dynamic_output_shapes(example_inputs)
+    if not before + added:
+        _refuse_unbalanced_vit(gm)
+    log.debug("vitbal backend: %d balancing op(s) traced, %d inserted", before, added)
+    compile_fn = torch._dynamo.lookup_backend(inner)
+    if options:
+        kwargs["options"] = options
+    return compile_fn(gm, example_inputs, **kwargs)
+
+
+def _count_ops(gm: fx.GraphModule) -> int:
+    return sum(1 for node in gm.graph.nodes if node.target in VITBAL_OPS)
+
+
+def _refuse_unbalanced_vit(gm: fx.GraphModule) -> None:
+    """Raise if dynamo inlined a registered ViT through its ``__call__`` with no balancing.
+
+    ``enable_vit_balance`` calls the ViT's original ``forward`` directly, so a wrapped ViT never
+    shows up as a module-stack entry of its own class; an entry means the call was not balanced.
+    """
+    for node in gm.graph.nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            if isinstance(cls, type) and is_vision_encoder_class(cls):
+                raise RuntimeError(
+                    f"vitbal: the vision encoder {cls.__qualname__} at {path} was compiled without "
+                    "balancing; wrap the model with fx_vitbal.enable_vit_balance(model) first, or "
+                    "compile an FX graph rewritten by apply_vit_balance_pass"
+                )
+
+
+def _require_dynamic_output_shapes(example_inputs) -> None:
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is not None and not shape_env.allow_dynamic_output_shape_ops:
+        raise RuntimeError(
+            "vitbal: this graph balances the ViT with data-dependent sizes but the shape "
+            "environment forbids them; compile with fullgraph=True or set "
+            "torch._dynamo.config.capture_dynamic_output_shape_ops = True"
+        )

@@ -1,0 +1,194 @@
+"""FX pass: rewrite every call of the ViT into plan -> redistribute -> ViT -> restore.
+
+Invariants:
+- The ViT module itself is untouched and still called once per original call, on the balanced
+  batch; everything downstream receives tensors of the original rows and order.
+- Only nodes that read the ViT's output are rewired; no other node changes.
+- Idempotent: a ViT call whose input already comes from ``vitbal::redistribute`` is left alone.
+- New nodes carry no fake metadata; passes that need it re-run shape propagation (dynamo and
+  AOTAutograd re-trace the graph through the ops' fake kernels anyway).
+"""
+
+import inspect
+import logging
+import operator
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from fx_vitbal.config import BalanceConfig
+from fx_vitbal.encoder import find_vit, group_name_and_size, planner_for, regenerate_window_index
+
+log = logging.getLogger(__name__)
+
+_PLAN = torch.ops.vitbal.plan.default
+_REDISTRIBUTE = torch.ops.vitbal.redistribute.default
+_RESTORE = torch.ops.vitbal.restore.default
+
+
+class ViTLeafTracer(fx.Tracer):
+    """``torch.fx.Tracer`` that keeps one module (the ViT) as a single ``call_module`` node."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.vit = vit
+
+    def is_leaf_module(self, module: nn.Module, qualname: str) -> bool:
+        return module is self.vit or super().is_leaf_module(module, qualname)
+
+
+def symbolic_trace(model: nn.Module, *, vit: str | nn.Module | None = None) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` keeping the ViT (found as ``enable_vit_balance`` finds it) as
+    one ``call_module`` leaf, ready for ``apply_vit_balance_pass``."""
+    tracer = ViTLeafTracer(find_vit(model, vit))
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def apply_vit_balance_pass(
+    gm: fx.GraphModule,
+    *,
+    config: BalanceConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+    vit: str | None = None,
+    group_name: str | None = None,
+    world_size: int | None = None,
+) -> fx.GraphModule:
+    """Balance every call of the ViT in ``gm`` across the data-parallel group.
+
+    Before::
+
+        vis = visual(pixel_values, image_grid_thw)
+        embeds, window, deep0 = vis[0], vis[1], vis[2][0]
+
+    After::
+
+        grid_b, routing = vitbal.plan(pixel_values, image_grid_thw, merge, planner, world, group)
+        pixels_b = vitbal.redistribute([pixel_values], routing, 1, merge**2, None, group)[0]
+        vis = visual(pixels_b, grid_b)
+        embeds, deep0 = vitbal.restore([vis[0], vis[2][0]], routing, merge**2, rows, group)
+        window = regenerate_window_index(visual, image_grid_thw)
+
+    Only the deepstack items the graph reads are moved back.
+
+    Args:
+        vit: qualified name of the ViT in ``gm`` (default: found like ``enable_vit_balance``).
+        group_name, world_size: override the group (e.g. fixed values for graph snapshots).
+
+    Returns:
+        ``gm``, rewritten in place (a logged no-op without a ViT call or a multi-rank group).
+
+    Raises:
+        ValueError: the ViT's output is used other than by indexing (the pass cannot tell which
+            rows belong to which image), or only one of group_name/world_size is given.
+    """
+    config = config or BalanceConfig()
+    if (group_name is None) != (world_size is None):
+        raise ValueError("pass both group_name and world_size, or neither")
+    dist_info = (group_name, world_size) if group_name else group_name_and_size(group)
+    target = vit or _vit_target(gm)
+    if dist_info is None or not config.enabled or target is None:
+        log.debug("apply_vit_balance_pass: nothing to do (group %s, vit %s)", dist_info, target)
+        return gm
+    module = gm.get_submodule(target)
+    planner, merge = planner_for(module, config)
+    calls = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_module" and n.target == target and not _already_balanced(n)
+    ]
+    for node in calls:
+        _rewrite(gm, node, module, planner, merge, *dist_info)
+    if calls:
+        gm.graph.lint()
+        gm.recompile()
+    log.debug("apply_vit_balance_pass: balanced %d call(s) of %s", len(calls), target)
+    return gm
+
+
+def _vit_target(gm: fx.GraphModule) -> str | None:
+    try:
+        vit = find_vit(gm)
+    except ValueError:
+        return None
+    names = [name for name, module in gm.named_modules() if module is vit]
+    return names[0] if names and names[0] else None
+
+
+def _already_balanced(node: fx.Node) -> bool:
+    source = node.args[0] if node.args else None
+    return (
+        isinstance(source, fx.Node)
+        and source.target is operator.getitem
+        and isinstance(source.args[0], fx.Node)
+        and source.args[0].target is _REDISTRIBUTE
+    )
+
+
+def _rewrite(gm, node, module, planner, merge, group_name, world_size) -> None:
+    graph = gm.graph
+    uses = _index_users(node)
+    bound = inspect.signature(module.forward).bind(*node.args, **node.kwargs)
+    pixels_name, grid_name = list(bound.arguments)[:2]
+    pixels, grid = bound.arguments[pixels_name], bound.arguments[grid_name]
+    with graph.inserting_before(node):
+        plan = graph.call_function(_PLAN, (pixels, grid, merge, planner, world_size, group_name))
+        grid_b = graph.call_function(operator.getitem, (plan, 0))
+        routing = graph.call_function(operator.getitem, (plan, 1))
+        moved = graph.call_function(
+            _REDISTRIBUTE, ([pixels], routing, 1, merge**2, None, group_name)
+        )
+        bound.arguments[pixels_name] = graph.call_function(operator.getitem, (moved, 0))
+    bound.arguments[grid_name] = grid_b
+    node.args, node.kwargs = bound.args, bound.kwargs
+
+    deep_keys = sorted(k for k in uses if len(k) == 2)
+    with graph.inserting_before(node.next):  # new nodes land in creation order
+        items = [graph.call_function(operator.getitem, (node, 0))]
+        if deep_keys:
+            deep = graph.call_function(operator.getitem, (node, 2))
+            items += [graph.call_function(operator.getitem, (deep, k)) for _, k in deep_keys]
+        rows = graph.call_function(
+            operator.floordiv, (graph.call_method("size", (pixels, 0)), merge**2)
+        )
+        restored = graph.call_function(_RESTORE, (items, routing, merge**2, rows, group_name))
+        new = {
+            key: graph.call_function(operator.getitem, (restored, i))
+            for i, key in enumerate([(0,), *deep_keys])
+        }
+        if (1,) in uses:
+            vit = graph.get_attr(node.target)
+            new[(1,)] = graph.call_function(regenerate_window_index, (vit, grid))
+    for key, replacement in new.items():
+        for old in uses.get(key, []):
+            old.replace_all_uses_with(replacement)
+            graph.erase_node(old)
+    for holder in uses.get((2,), []):
+        graph.erase_node(holder)
+
+
+def _index_users(node: fx.Node) -> dict[tuple[int, ...], list[fx.Node]]:
+    """Readers of the ViT output by index: ``(0,)``, ``(1,)``, ``(2, k)`` for ``vis[2][k]`` and
+    ``(2,)`` for the ``vis[2]`` list nodes themselves.
+
+    Raises:
+        ValueError: any other use of the ViT output.
+    """
+    found: dict[tuple[int, ...], list[fx.Node]] = {}
+    for user in node.users:
+        if user.target is not operator.getitem or user.args[1] not in (0, 1, 2):
+            raise ValueError(
+                f"the ViT output is used by {user.format_node()}; the pass needs vis[0], vis[1] "
+                "and vis[2][k] indexing to know which rows each output holds"
+            )
+        found.setdefault((user.args[1],), []).append(user)
+        if user.args[1] != 2:
+            continue
+        for item in user.users:
+            if item.target is not operator.getitem or not isinstance(item.args[1], int):
+                raise ValueError(
+                    f"the deepstack list is used by {item.format_node()}; index it as vis[2][k]"
+                )
+            found.setdefault((2, item.args[1]), []).append(item)
+    return found

@@ -1,0 +1,161 @@
+"""The FX pass: graph snapshots, idempotence, refusals, and exact results on 2 gloo ranks."""
+
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import assert_units_moved, record_moves, run_ranks
+from expecttest import TestCase
+
+from fx_vitbal import BalanceConfig
+from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
+from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+
+# Fixed group and world size: they are literals in the rewritten graph.
+FIXED = {"group_name": "0", "world_size": 2}
+QUADRATIC = BalanceConfig(cost_model="quadratic")  # a short planner literal in snapshots
+
+
+def _model(**vit) -> OmniEncoderModel:
+    torch.manual_seed(0)
+    return OmniEncoderModel(ViTConfig(**vit), LMConfig(num_layers=1))
+
+
+def _head(code: str, lines: int) -> str:
+    """The first lines of generated code: the ViT call and its rewiring live there."""
+    return "\n".join(line.rstrip() for line in code.strip().splitlines()[:lines])
+
+
+class TestGraphs(TestCase):
+    def test_trace_keeps_the_vit_as_one_call_module_leaf(self):
+        gm = symbolic_trace(_model(deepstack_indexes=(0,)))
+        calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+        self.assertEqual(calls.count("visual"), 1)
+        self.assertFalse(any(t.startswith("visual.") for t in calls))
+
+    def test_deepstack_graph_before_and_after(self):
+        gm = symbolic_trace(_model(deepstack_indexes=(0,)))
+        self.assertExpectedInline(
+            _head(gm.code, 5),
+            """\
+def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
+    visual = self.visual(pixel_values, image_grid_thw);  pixel_values = image_grid_thw = None
+    getitem = visual[0]
+    getitem_1 = visual[2];  visual = None
+    getitem_2 = getitem_1[0];  getitem_1 = None""",
+        )
+        apply_vit_balance_pass(gm, config=QUADRATIC, **FIXED)
+        self.assertExpectedInline(
+            _head(gm.code, 17),
+            """\
+def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0');  image_grid_thw = None
+    getitem_7 = plan_default[0]
+    getitem_8 = plan_default[1];  plan_default = None
+    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 1, 4, None, '0')
+    getitem_9 = redistribute_default[0];  redistribute_default = None
+    visual = self.visual(getitem_9, getitem_7);  getitem_9 = getitem_7 = None
+    getitem_10 = visual[0]
+    getitem_11 = visual[2];  visual = None
+    getitem_12 = getitem_11[0];  getitem_11 = None
+    size = pixel_values.size(0);  pixel_values = None
+    floordiv = size // 4;  size = None
+    restore_default = torch.ops.vitbal.restore.default([getitem_10, getitem_12], getitem_8, 4, floordiv, '0');  getitem_10 = getitem_12 = getitem_8 = floordiv = None
+    getitem_13 = restore_default[0]
+    getitem_14 = restore_default[1];  restore_default = None
+    eq = input_ids == 3
+    getitem_3 = eq[(slice(None, None, None), None)];  eq = None""",
+        )
+
+    def test_window_graph_regenerates_window_index_from_the_original_grid(self):
+        gm = symbolic_trace(_model(window_size=2, fullatt_block_indexes=(1,)))
+        self.assertExpectedInline(
+            _head(gm.code, 5),
+            """\
+def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
+    visual = self.visual(pixel_values, image_grid_thw);  pixel_values = image_grid_thw = None
+    getitem = visual[0]
+    getitem_1 = visual[1];  visual = None
+    argsort = torch.argsort(getitem_1);  getitem_1 = None""",
+        )
+        apply_vit_balance_pass(gm, config=QUADRATIC, **FIXED)
+        self.assertExpectedInline(
+            _head(gm.code, 15),
+            """\
+def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0')
+    getitem_7 = plan_default[0]
+    getitem_8 = plan_default[1];  plan_default = None
+    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 1, 4, None, '0')
+    getitem_9 = redistribute_default[0];  redistribute_default = None
+    visual = self.visual(getitem_9, getitem_7);  getitem_9 = getitem_7 = None
+    getitem_10 = visual[0];  visual = None
+    size = pixel_values.size(0);  pixel_values = None
+    floordiv = size // 4;  size = None
+    restore_default = torch.ops.vitbal.restore.default([getitem_10], getitem_8, 4, floordiv, '0');  getitem_10 = getitem_8 = floordiv = None
+    getitem_11 = restore_default[0];  restore_default = None
+    visual_1 = self.visual
+    regenerate_window_index = fx_vitbal_encoder_regenerate_window_index(visual_1, image_grid_thw);  visual_1 = image_grid_thw = None
+    argsort = torch.argsort(regenerate_window_index);  regenerate_window_index = None""",
+        )
+
+    def test_pass_is_idempotent(self):
+        gm = apply_vit_balance_pass(symbolic_trace(_model(deepstack_indexes=(0, 1))), **FIXED)
+        code = gm.code
+        self.assertIs(apply_vit_balance_pass(gm, **FIXED), gm)
+        self.assertEqual(gm.code, code)
+        self.assertEqual(code.count("vitbal.plan.default("), 1)
+
+    def test_without_a_process_group_the_pass_is_a_no_op(self):
+        gm = symbolic_trace(_model())
+        code = gm.code
+        apply_vit_balance_pass(gm)
+        self.assertEqual(gm.code, code)
+
+    def test_a_vit_output_used_whole_is_refused(self):
+        gm = symbolic_trace(_model())
+        vit = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "visual")
+        with gm.graph.inserting_after(vit):
+            gm.graph.call_function(operator.length_hint, (vit,))
+        with self.assertRaisesRegex(ValueError, r"vis\[0\], vis\[1\] and vis\[2\]\[k\]"):
+            apply_vit_balance_pass(gm, **FIXED)
+
+
+STEPS = [  # per step, per rank: a skewed batch; rank 0 has no image in the last step
+    [[[1, 8, 8], [2, 4, 6]], [[1, 2, 2]]],
+    [[], [[1, 12, 8], [1, 2, 4], [1, 2, 2]]],
+]
+
+
+def _step(model, grids, rank):
+    input_ids, pixels, grid = make_inputs(grids, in_dim=24, seed=rank)
+    logits = model(input_ids, pixels, grid)
+    logits.pow(2).mean().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads)
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
+
+
+def _pass_vs_reference(rank: int, world: int, compiled: bool) -> list:
+    config = dict(deepstack_indexes=(0,))
+    reference = _model(**config)
+    wanted = [_step(reference, step[rank], rank) for step in STEPS]
+    gm = apply_vit_balance_pass(symbolic_trace(_model(**config)))
+    run = torch.compile(gm, backend="aot_eager", fullgraph=True) if compiled else gm
+    with record_moves() as moves:
+        got = [_step(run, step[rank], rank) for step in STEPS]
+    return {"got": got, "wanted": wanted, "moves": moves}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager_fullgraph"])
+def test_rewritten_graph_matches_unbalanced_model_on_two_ranks(compiled):
+    results = run_ranks(_pass_vs_reference, 2, compiled)
+    for res in results:
+        for (logits, grads), (want_logits, want_grads) in zip(
+            *(res[k] for k in ("got", "wanted")), strict=True
+        ):
+            torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+    assert_units_moved(results)
