@@ -24,6 +24,7 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/planner.py
+	$(PY) benchmarks/e2e.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -228,15 +228,15 @@ def exchange(
     outs: list[torch.Tensor | None] = [None] * len(xs)
     for dtype in dict.fromkeys(x.dtype for x in xs):  # one exchange per dtype, in first-use order
         members = [i for i, x in enumerate(xs) if x.dtype == dtype]
-        widths = [_row_numel(xs[i]) for i in members]
-        flat = torch.cat([xs[i].reshape(xs[i].shape[0], _row_numel(xs[i])) for i in members], 1)
+        flats = [xs[i].reshape(xs[i].shape[0], _row_numel(xs[i])) for i in members]
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats, 1)  # cat copies even one tensor
         if perm is not None and not reverse:
             flat = flat.index_select(0, perm.to(flat.device))
         moved = flat.new_empty(sum(out_splits), flat.shape[1])
         dist.all_to_all_single(moved, flat.contiguous(), out_splits, in_splits, group=group)
         if perm is not None and reverse:
             moved = torch.empty_like(moved).index_copy_(0, perm.to(moved.device), moved)
-        parts = moved.split(widths, dim=1)
+        parts = moved.split([f.shape[1] for f in flats], dim=1)
         if len(parts) > 1:  # custom-op outputs must not alias each other
             parts = [torch.clone(part, memory_format=torch.contiguous_format) for part in parts]
         for i, part in zip(members, parts, strict=True):

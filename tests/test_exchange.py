@@ -1,6 +1,7 @@
 """Multi-rank (gloo) tests of the eager runtime: exact results, lockstep errors, round trips."""
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -78,9 +79,12 @@ def test_balanced_outputs_and_gradients_equal_unbalanced(world):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     # Proof that images really moved: some rank's ViT computed a batch other than its own.
     assert any(len(res["seen"]) == 1 and res["seen"][0] != res["local"] for res in results)
-    frames = sorted(row for res in results for row in res["seen"][0])
-    expected = sorted([1, h, w] for grids in GRIDS[:world] for t, h, w in grids for _ in range(t))
-    assert frames == expected  # every frame computed exactly once, videos split into frames
+    frames = Counter(tuple(row) for res in results for row in res["seen"][0])
+    expected = Counter((1, h, w) for grids in GRIDS[:world] for t, h, w in grids for _ in range(t))
+    # Every frame computed exactly once (videos split into frames); a rank left without work
+    # computes one dummy [1, 2, 2] unit instead, whose output is dropped.
+    assert set((frames - expected).keys()) <= {(1, 2, 2)}
+    assert frames - (frames - expected) == expected
 
 
 def _bad_inputs(rank: int, world: int) -> list[str]:

@@ -1,0 +1,277 @@
+"""Train the reference OmniEncoderModel on CPU ranks, without and with ViT balancing, and compare.
+
+What it shows, on a deliberately skewed workload (rank 0 holds the high-resolution documents):
+the planner's predicted per-rank ViT load before and after, its decision, the measured ViT time of
+the slowest rank with and without balancing, and that training itself is unchanged (same losses).
+
+Both runs start from the same weights, see the same data and take real AdamW steps with gradients
+averaged over ranks; they are interleaved step by step so both see the same machine load.
+
+    python examples/train_omni.py                        # 4 ranks, 4 steps, both runs
+    python examples/train_omni.py --use-vit-dp-balance   # the balanced run only
+    python examples/train_omni.py --steps 1 --ranks 2 --dp-balance-verbose
+"""
+
+import argparse
+import copy
+import dataclasses
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import fx_vitbal
+from fx_vitbal.encoder import planner_for
+from fx_vitbal.exchange import parse_planner_spec, split_units
+from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
+from fx_vitbal.workloads import sample_grid
+
+# Small enough for ~0.1-1 s ViT steps on one CPU thread, with the real towers' structure: per-frame
+# attention, a 2x2 patch merger and one deepstack layer (Qwen3-VL style).
+VIT = ViTConfig(
+    in_dim=96, hidden=64, num_heads=4, depth=4, mlp_hidden=256, out_dim=64, deepstack_indexes=(1,)
+)
+LM = LMConfig(vocab_size=64, hidden=64, num_layers=2, num_heads=4)
+# Grids of fx_vitbal.workloads divided by this per side: a 1.5-2.8k px document becomes ~30x20
+# patches instead of ~120x90, and costs keep their relative sizes.
+DOWNSCALE = 4
+TEXT_PER_IMAGE = 16
+IGNORE = -100
+
+HEADER = """\
+OmniEncoderModel (ViT: hidden {vit.hidden}, depth {vit.depth}; LM: {lm.num_layers} layers) on \
+{ranks} gloo CPU ranks, {steps} step(s), {runs}.
+ViT time: CPU seconds of each rank's process from the ViT call to its return (plan, redistribute,
+ViT, restore) plus from the first gradient reaching the ViT outputs to the end of backward (the
+reverse move, ViT backward). CPU time, not wall-clock: {ranks} ranks share {cpus} cores and other
+jobs, so a wall clock would time the OS scheduler; idle waiting for other ranks is not counted.
+Loads: the planner's predicted ViT cost per rank relative to the mean. fp32, 1 thread per rank."""
+
+
+def step_grids(step: int, num_ranks: int) -> list[list[list[int]]]:
+    """Deterministic skewed grids: rank 0 draws 8 images from the ``documents`` mix (high-res
+    scans and thumbnails), every other rank 4 from the ``realistic`` mix."""
+    rng = random.Random(step)
+    return [
+        [
+            _downscale(sample_grid(rng, "documents" if rank == 0 else "realistic"))
+            for _ in range(8 if rank == 0 else 4)
+        ]
+        for rank in range(num_ranks)
+    ]
+
+
+def _downscale(grid: list[int]) -> list[int]:
+    t, h, w = grid
+    return [t, 2 * max(1, round(h / (2 * DOWNSCALE))), 2 * max(1, round(w / (2 * DOWNSCALE)))]
+
+
+def predict_plan(vit: torch.nn.Module, config: fx_vitbal.BalanceConfig, grids) -> fx_vitbal.Plan:
+    """The plan the runtime computes for these grids: same cost model, units and solver."""
+    spec, _ = planner_for(vit, config)
+    config, cost_model = parse_planner_spec(spec)
+    units = [split_units(grid, config.split_frames) for grid in grids]
+    costs = [[cost_model(*u) for u in rank_units] for rank_units in units]
+    tokens = [[t * h * w for t, h, w in rank_units] for rank_units in units]
+    return fx_vitbal.solve_plan(costs, tokens, config=config)
+
+
+class ViTClock:
+    """CPU seconds this process spends in the ViT region of one training step (see HEADER)."""
+
+    def __init__(self, vit: torch.nn.Module) -> None:
+        self.seconds = 0.0
+        self.forward_started = 0.0
+        self.backward_started: float | None = None
+        vit.register_forward_pre_hook(self._start_forward)
+        vit.register_forward_hook(self._stop_forward)
+
+    def _start_forward(self, module, args) -> None:
+        self.forward_started = time.process_time()
+
+    def _stop_forward(self, module, args, outputs) -> None:
+        self.seconds = time.process_time() - self.forward_started
+        self.backward_started = None
+        embeds, _, deepstack = outputs
+        for output in (embeds, *deepstack):
+            output.register_hook(self._start_backward)
+
+    def _start_backward(self, grad: torch.Tensor) -> None:
+        if self.backward_started is None:
+            self.backward_started = time.process_time()
+
+    def stop(self) -> float:
+        """Call right after ``backward()``; returns the step's ViT seconds."""
+        self.seconds += time.process_time() - self.backward_started
+        return self.seconds
+
+
+@dataclasses.dataclass
+class Run:
+    model: OmniEncoderModel
+    optimizer: torch.optim.Optimizer
+    clock: ViTClock
+
+
+def make_run(base: OmniEncoderModel, config: fx_vitbal.BalanceConfig | None) -> Run:
+    model = copy.deepcopy(base)
+    if config is not None:
+        fx_vitbal.enable_vit_balance(model, config=config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return Run(model, optimizer, ViTClock(model.visual))
+
+
+def train_step(run: Run, inputs, world: int) -> tuple[float, float]:
+    """One AdamW step on gradients averaged over ranks; returns ``(global loss, ViT seconds)``."""
+    input_ids, pixel_values, grid_thw = inputs
+    run.optimizer.zero_grad()
+    logits = run.model(input_ids, pixel_values, grid_thw)
+    # Next-token loss on text targets only (image placeholders are inputs, not predictions).
+    targets = input_ids[1:].masked_fill(input_ids[1:] == LM.image_token_id, IGNORE)
+    loss = F.cross_entropy(logits[:-1], targets, ignore_index=IGNORE)
+    loss.backward()
+    vit_seconds = run.clock.stop()
+    grads = [p.grad for p in run.model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads] + [loss.detach().reshape(1)])
+    dist.all_reduce(flat)  # one collective for every gradient and the loss
+    flat /= world
+    *values, mean_loss = flat.split([g.numel() for g in grads] + [1])
+    for grad, value in zip(grads, values, strict=True):
+        grad.copy_(value.view_as(grad))
+    run.optimizer.step()
+    return mean_loss.item(), vit_seconds
+
+
+def rank_main(rank: int, world: int, config: fx_vitbal.BalanceConfig, steps: int, both: bool):
+    if config.verbose:
+        # stdout, so the runtime's line lands inside the step it belongs to.
+        logging.basicConfig(level=logging.INFO, format="  runtime: %(message)s", stream=sys.stdout)
+    torch.manual_seed(0)  # same initial weights on every rank and in every run
+    base = OmniEncoderModel(VIT, LM)
+    runs = {"on": make_run(base, config)}
+    if both:
+        runs = {"off": make_run(base, None), **runs}
+    # One untimed forward+backward per run: the first call of the vitbal ops imports
+    # torch._dynamo (seconds), and allocator and kernels warm up. No optimizer step is taken.
+    warm_up_inputs = make_inputs(step_grids(0, world)[rank], **_input_kwargs(0, rank))
+    for run in runs.values():
+        run.model(*warm_up_inputs).sum().backward()
+        run.optimizer.zero_grad()
+    if rank == 0:
+        runs_text = "without and with ViT balancing" if both else "with ViT balancing"
+        header = HEADER.format(
+            vit=VIT, lm=LM, ranks=world, steps=steps, runs=runs_text, cpus=os.cpu_count()
+        )
+        print(header, flush=True)
+    report = {name: {"loss": [], "slowest": []} for name in runs}
+    for step in range(steps):
+        grids = step_grids(step, world)
+        if rank == 0:
+            patches = [sum(t * h * w for t, h, w in rank_grids) for rank_grids in grids]
+            print(f"\nstep {step + 1}: patches per rank {' '.join(map(str, patches))}")
+        inputs = make_inputs(grids[rank], **_input_kwargs(step, rank))
+        results = {name: train_step(run, inputs, world) for name, run in runs.items()}
+        seconds = {name: vit for name, (_, vit) in results.items()}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, seconds)
+        if rank == 0:
+            plan = predict_plan(base.visual, config, grids)
+            _print_step(plan, sum(patches), results, gathered, report)
+    if rank == 0:
+        _print_summary(report)
+
+
+def _input_kwargs(step: int, rank: int) -> dict:
+    return dict(
+        in_dim=VIT.in_dim,
+        text_per_image=TEXT_PER_IMAGE,
+        image_token_id=LM.image_token_id,
+        vocab_size=LM.vocab_size,
+        seed=1000 * step + rank,
+    )
+
+
+def _print_step(plan, total_patches, results, gathered, report) -> None:
+    mean_before = sum(plan.loads_before) / len(plan.loads_before)
+    moved = plan.moved_tokens / total_patches
+    print(
+        f"  decision: {plan.reason} (imbalance {plan.imbalance_before:.2f} -> "
+        f"{plan.imbalance_after:.2f}, {moved:.0%} of pixel rows moved)"
+    )
+    print(f"  predicted load/mean   before: {_cells(plan.loads_before, mean_before, '.2f')}")
+    print(f"                        after:  {_cells(plan.loads_after, mean_before, '.2f')}")
+    for name, (loss, _) in results.items():
+        per_rank = [1e3 * rank_seconds[name] for rank_seconds in gathered]
+        report[name]["loss"].append(loss)
+        report[name]["slowest"].append(max(per_rank))
+        cells = _cells(per_rank, 1, "5.0f")
+        print(f"  balance {name:<3} ViT ms per rank: {cells}  loss {loss:.7f}")
+    if len(results) == 2:
+        off, on = report["off"]["slowest"][-1], report["on"]["slowest"][-1]
+        predicted = max(plan.loads_before) / max(plan.loads_after)
+        print(
+            f"  slowest rank: {off:.0f} ms -> {on:.0f} ms, speed-up {off / on:.2f}x "
+            f"(predicted {predicted:.2f}x)"
+        )
+
+
+def _cells(values, scale, fmt) -> str:
+    return " ".join(format(v / scale, fmt) for v in values)
+
+
+def _print_summary(report) -> None:
+    print()
+    if "off" not in report:
+        print(f"median slowest-rank ViT time {statistics.median(report['on']['slowest']):.0f} ms")
+        return
+    speedups = [
+        off / on for off, on in zip(report["off"]["slowest"], report["on"]["slowest"], strict=True)
+    ]
+    diff = max(abs(a - b) for a, b in zip(report["off"]["loss"], report["on"]["loss"], strict=True))
+    verdict = "bit-identical" if diff == 0 else "identical up to fp32 rounding"
+    print(f"median slowest-rank ViT speed-up: {statistics.median(speedups):.2f}x")
+    print(f"losses: max |balanced - unbalanced| = {diff:.3g} over all steps, fp32 ({verdict})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run")
+    parser.add_argument("--ranks", type=int, default=4, help="data-parallel CPU ranks (gloo)")
+    fx_vitbal.add_vit_balance_args(parser)
+    args = parser.parse_args()
+    if args.steps < 1 or args.ranks < 2:
+        parser.error(f"need --steps >= 1 and --ranks >= 2, got {args.steps} and {args.ranks}")
+    # --use-vit-dp-balance: train balanced only, as a training script would; else compare both.
+    both = not args.use_vit_dp_balance
+    config = dataclasses.replace(fx_vitbal.BalanceConfig.from_args(args), enabled=True)
+    launch(rank_main, args.ranks, config, args.steps, both)
+
+
+def launch(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks (FileStore rendezvous)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _rank_entry, args=(fn, world, tmp, args), nprocs=world, start_method="spawn"
+        )
+
+
+def _rank_entry(rank: int, fn, world: int, tmp: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(tmp, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
