@@ -1,0 +1,105 @@
+"""torch.compile: the ``vitbal`` backend, and compiled FX-pass graphs (aot_eager and inductor)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import assert_units_moved, record_moves, run_ranks
+
+import fx_vitbal
+from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
+from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+
+# Per step, per rank. Image counts change every step (0 to 3), so a compiled graph that
+# specialized on them would recompile.
+STEPS = [
+    [[[1, 8, 8], [2, 4, 6]], [[1, 2, 2]]],
+    [[[1, 4, 4]], [[1, 12, 8], [1, 2, 4], [1, 2, 2]]],
+    [[], [[1, 10, 6], [1, 4, 4]]],
+]
+
+
+def _model() -> OmniEncoderModel:
+    torch.manual_seed(0)
+    return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
+
+
+def _step(model, grids, rank, unbacked=False):
+    input_ids, pixels, grid = make_inputs(grids, in_dim=24, seed=rank)
+    if unbacked:  # one graph for every image count, including 0 and 1
+        torch._dynamo.decorators.mark_unbacked(pixels, 0)
+        torch._dynamo.decorators.mark_unbacked(grid, 0)
+        torch._dynamo.mark_dynamic(input_ids, 0)
+    logits = model(input_ids, pixels, grid)
+    logits.pow(2).mean().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads)
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
+
+
+def _compiled_vs_reference(rank: int, world: int, mode: str) -> dict:
+    reference = _model()
+    wanted = [_step(reference, step[rank], rank) for step in STEPS]
+    model = _model()
+    unbacked = mode == "inductor_single_graph"
+    if mode == "wrapped_vitbal_aot_eager":
+        fx_vitbal.enable_vit_balance(model)
+        run = torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})
+    elif mode == "wrapped_vitbal_inductor":
+        fx_vitbal.enable_vit_balance(model)
+        run = torch.compile(model, backend="vitbal")
+    else:
+        run = torch.compile(apply_vit_balance_pass(symbolic_trace(model)), fullgraph=True)
+    torch._dynamo.utils.counters.clear()
+    start = time.perf_counter()
+    with record_moves() as moves:
+        got = [_step(run, step[rank], rank, unbacked) for step in STEPS]
+    return {
+        "got": got,
+        "wanted": wanted,
+        "moves": moves,
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _check(results) -> None:
+    for res in results:
+        for (logits, grads), (want_logits, want_grads) in zip(
+            res["got"], res["wanted"], strict=True
+        ):
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(grads, want_grads, rtol=1e-4, atol=1e-5)
+    assert_units_moved(results)
+
+
+def test_wrapped_model_through_the_vitbal_backend_matches_and_moves_images():
+    _check(run_ranks(_compiled_vs_reference, 2, "wrapped_vitbal_aot_eager"))
+
+
+@pytest.mark.slow
+def test_wrapped_model_through_vitbal_with_inductor_matches_and_moves_images():
+    _check(run_ranks(_compiled_vs_reference, 2, "wrapped_vitbal_inductor", timeout=900))
+
+
+@pytest.mark.slow
+def test_fx_pass_under_inductor_fullgraph_compiles_once_for_all_image_counts():
+    results = run_ranks(_compiled_vs_reference, 2, "inductor_single_graph", timeout=900)
+    _check(results)
+    for res in results:
+        print(f"inductor single graph: {res['graphs']} graph(s), {res['seconds']:.0f} s")
+        assert res["graphs"] == 1
+
+
+def test_unbalanced_vit_through_the_vitbal_backend_is_refused():
+    model = _model()
+    compiled = torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})
+    input_ids, pixels, grid = make_inputs([[1, 4, 4]], in_dim=24)
+    with pytest.raises(Exception, match="compiled without balancing"):
+        compiled(input_ids, pixels, grid)
+
+
+def test_vitbal_backend_is_registered_through_the_entry_point():
+    assert "vitbal" in torch._dynamo.list_backends(exclude_tags=())
