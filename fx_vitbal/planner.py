@@ -120,11 +120,9 @@ def solve_plan(
     if config.strategy == "min-move":
         accept = max(lpt_loads) * (1.0 + MAKESPAN_SLACK)
         candidates.append(_min_move(units, order, base, cap, accept) or lpt)
-    plan = min(
-        (_make_plan(dest, units, base, loads_before, True, "applied", cap) for dest in candidates),
-        # Plans keeping the row cap first, then fewer rows moved (LPT, the reference, wins ties).
-        key=lambda p: (not p.cap_respected, p.moved_tokens),
-    )
+    # Plans keeping the row cap first, then fewer rows moved (LPT, the reference, wins ties).
+    dest = min(candidates, key=lambda d: (not _cap_respected(d, units, cap), _moved(d, units)))
+    plan = _make_plan(dest, units, base, loads_before, True, "applied", cap)
     if not plan.cap_respected and skip("cap").cap_respected:
         return skip("cap")
     if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
@@ -144,9 +142,9 @@ class _Units:
         self.counts = [len(rank_costs) for rank_costs in costs]
 
     def by_cost_desc(self) -> list[int]:
-        return sorted(
-            range(len(self.cost)), key=lambda u: (-self.cost[u], self.src[u], self.idx[u])
-        )
+        """Unit ids by cost, descending; ties by (src, idx), i.e. by id (the sort is stable)."""
+        negated = [-c for c in self.cost]
+        return sorted(range(len(negated)), key=negated.__getitem__)
 
 
 def _validate(costs, tokens, history) -> None:
@@ -196,7 +194,6 @@ def _place(
     rank_units: list[int],
     units: _Units,
     cap: float,
-    home_fill: float = -math.inf,
 ) -> None:
     """LPT placement of ``order`` (cost-descending) onto the least-loaded rank that fits the cap.
 
@@ -211,10 +208,6 @@ def _place(
         need = units.tokens[u]
         home = units.src[u]
         chosen = -1
-        if loads[home] + cost[u] <= home_fill and _fits(
-            rank_tokens[home], rank_units[home], need, cap
-        ):
-            chosen = home
         popped = []
         while chosen < 0 and heap:
             load, r = heapq.heappop(heap)
@@ -365,11 +358,25 @@ def _min_move(
     dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
     if max(loads) <= accept:
         return dest
-    # Fragmented room (a near-perfect LPT leaves ~1% slack): fill homes first in LPT order, so
-    # large units stay home and only the smallest overflow moves.
+    # Fragmented room (a near-perfect LPT leaves ~1% slack): every rank keeps its largest units
+    # up to the target, and only the smallest overflow moves, placed LPT-style.
     dest = [-1] * len(units.cost)
-    zeros = [0] * units.num_ranks
-    _place(order, dest, base[:], zeros[:], zeros[:], units, cap, home_fill=accept)
+    loads = base[:]
+    rank_tokens = [0] * units.num_ranks
+    rank_units = [0] * units.num_ranks
+    overflow = []
+    for u in order:
+        home = units.src[u]
+        if loads[home] + units.cost[u] <= accept and _fits(
+            rank_tokens[home], rank_units[home], units.tokens[u], cap
+        ):
+            dest[u] = home
+            loads[home] += units.cost[u]
+            rank_tokens[home] += units.tokens[u]
+            rank_units[home] += 1
+        else:
+            overflow.append(u)
+    _place(overflow, dest, loads, rank_tokens, rank_units, units, cap)
     dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
     return dest if max(loads) <= accept else None
 
@@ -434,6 +441,21 @@ def _units_to_shed(ascending: list[int], excess: float, units: _Units) -> list[i
     return [single]
 
 
+def _moved(dest: list[int], units: _Units) -> int:
+    return sum(n for d, src, n in zip(dest, units.src, units.tokens, strict=True) if d != src)
+
+
+def _cap_respected(dest: list[int], units: _Units, cap: float) -> bool:
+    if cap == math.inf:
+        return True
+    rank_tokens = [0] * units.num_ranks
+    rank_units = [0] * units.num_ranks
+    for d, n in zip(dest, units.tokens, strict=True):
+        rank_tokens[d] += n
+        rank_units[d] += 1
+    return all(n <= cap or k <= 1 for n, k in zip(rank_tokens, rank_units, strict=True))
+
+
 def _make_plan(
     dest: list[int],
     units: _Units,
@@ -444,16 +466,10 @@ def _make_plan(
     cap: float,
 ) -> Plan:
     assignment: list[list[tuple[int, int]]] = [[] for _ in range(units.num_ranks)]
-    rank_tokens = [0] * units.num_ranks
-    moved = 0
     # Units are enumerated in (src, idx) order, so every assignment list comes out sorted.
-    for d, src, idx, n in zip(dest, units.src, units.idx, units.tokens, strict=True):
+    for d, src, idx in zip(dest, units.src, units.idx, strict=True):
         assignment[d].append((src, idx))
-        rank_tokens[d] += n
-        if d != src:
-            moved += n
     loads_after = _loads(dest, units, base)
-    cap_respected = all(n <= cap or len(assignment[d]) <= 1 for d, n in enumerate(rank_tokens))
     return Plan(
         assignment=assignment,
         applied=applied,
@@ -462,6 +478,6 @@ def _make_plan(
         loads_after=loads_after,
         imbalance_before=imbalance(loads_before),
         imbalance_after=imbalance(loads_after),
-        moved_tokens=moved,
-        cap_respected=cap_respected,
+        moved_tokens=_moved(dest, units),
+        cap_respected=_cap_respected(dest, units, cap),
     )
