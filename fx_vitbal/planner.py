@@ -194,10 +194,12 @@ def _place(
     rank_units: list[int],
     units: _Units,
     cap: float,
+    home_fill: float = -math.inf,
 ) -> None:
     """LPT placement of ``order`` (cost-descending) onto the least-loaded rank that fits the cap.
 
-    Ties go to the unit's home rank, then to the lowest rank. Mutates its arguments.
+    A unit stays home instead when that keeps its home's load at most ``home_fill``. Ties go to
+    the unit's home rank, then to the lowest rank. Mutates its arguments.
     """
     # One heap entry per rank. Loads only grow, so an entry older than its rank's load is a
     # lower bound: refresh it when it surfaces instead of pushing on every change.
@@ -208,6 +210,10 @@ def _place(
         need = units.tokens[u]
         home = units.src[u]
         chosen = -1
+        if loads[home] + cost[u] <= home_fill and _fits(
+            rank_tokens[home], rank_units[home], need, cap
+        ):
+            chosen = home  # its heap entry is now stale and is refreshed when it surfaces
         popped = []
         while chosen < 0 and heap:
             load, r = heapq.heappop(heap)
@@ -358,25 +364,12 @@ def _min_move(
     dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
     if max(loads) <= accept:
         return dest
-    # Fragmented room (a near-perfect LPT leaves ~1% slack): every rank keeps its largest units
-    # up to the target, and only the smallest overflow moves, placed LPT-style.
+    # Fragmented room (a near-perfect LPT leaves ~1% slack): LPT order again, but each unit
+    # stays home while its home has room below the target, so large units stay and only the
+    # smallest overflow moves.
     dest = [-1] * len(units.cost)
-    loads = base[:]
-    rank_tokens = [0] * units.num_ranks
-    rank_units = [0] * units.num_ranks
-    overflow = []
-    for u in order:
-        home = units.src[u]
-        if loads[home] + units.cost[u] <= accept and _fits(
-            rank_tokens[home], rank_units[home], units.tokens[u], cap
-        ):
-            dest[u] = home
-            loads[home] += units.cost[u]
-            rank_tokens[home] += units.tokens[u]
-            rank_units[home] += 1
-        else:
-            overflow.append(u)
-    _place(overflow, dest, loads, rank_tokens, rank_units, units, cap)
+    zeros = [0] * units.num_ranks
+    _place(order, dest, base[:], zeros[:], zeros[:], units, cap, home_fill=accept)
     dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
     return dest if max(loads) <= accept else None
 
