@@ -7,8 +7,10 @@ Where the balancing ops come from, per graph dynamo hands us:
 - a model wrapped by ``enable_vit_balance``: dynamo traces the wrapper, so ``vitbal::*`` ops are
   already in the graph (or, by default, dynamo breaks the graph at them and runs them between
   compiled graphs, which also keeps the ViT compiled with ordinary shapes);
-- a graph that still calls the ViT as a ``call_module`` leaf (an FX-traced model passed to
-  ``torch.compile``): ``apply_vit_balance_pass`` rewrites it here.
+- a graph that still calls the ViT as a ``call_module`` leaf (a GraphModule handed to this
+  backend directly), or a ViT marked with ``torch.compiler.nested_compile_region`` that dynamo
+  captured as one ``invoke_subgraph`` node (pass ``options={"vit": model.visual}``):
+  ``apply_vit_balance_pass`` rewrites it here.
 
 A graph that holds ``vitbal`` ops with data-dependent sizes can only compile when the shape
 environment allows dynamic output shapes. If it does not, AOTAutograd would fail, dynamo would
@@ -35,17 +37,19 @@ VITBAL_OPS = (
 
 
 def make_vitbal_backend(
-    *, inner: str = "inductor", config: BalanceConfig | None = None, group=None
+    *, inner: str = "inductor", config: BalanceConfig | None = None, group=None, vit=None
 ):
     """A ``torch.compile`` backend balancing the ViT and delegating to the ``inner`` backend.
 
     Args:
         inner: any registered backend name (``inductor``, ``aot_eager``, ...).
-        config, group: passed to ``apply_vit_balance_pass``.
+        config, group, vit: passed to ``apply_vit_balance_pass``.
     """
 
     def backend(gm: fx.GraphModule, example_inputs, **kwargs):
-        return vitbal_backend(gm, example_inputs, inner=inner, config=config, group=group, **kwargs)
+        return vitbal_backend(
+            gm, example_inputs, inner=inner, config=config, group=group, vit=vit, **kwargs
+        )
 
     return backend
 
@@ -57,12 +61,14 @@ def vitbal_backend(
     inner: str = "inductor",
     config: BalanceConfig | None = None,
     group=None,
+    vit=None,
     options: dict | None = None,
     **kwargs,
 ):
     """``torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})``.
 
-    ``options`` may carry ``inner``, ``config`` and ``group``; the rest goes to the inner backend.
+    ``options`` may carry ``inner``, ``config``, ``group`` and ``vit`` (the ViT module, needed to
+    balance a ViT marked with ``nested_compile_region``); the rest goes to the inner backend.
 
     Raises:
         RuntimeError: the graph holds balancing ops but cannot compile them (see module doc).
@@ -71,8 +77,9 @@ def vitbal_backend(
     inner = options.pop("inner", inner)
     config = options.pop("config", config)
     group = options.pop("group", group)
+    vit = options.pop("vit", vit)
     before = _count_ops(gm)
-    apply_vit_balance_pass(gm, config=config, group=group)
+    apply_vit_balance_pass(gm, config=config, group=group, vit=vit)
     added = _count_ops(gm) - before
     if added:
         _require_dynamic_output_shapes(example_inputs)

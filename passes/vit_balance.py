@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.encoder import find_vit, group_name_and_size, planner_for, regenerate_window_index
+from fx_vitbal.passes.subgraph import rewrite_subgraph_call, vit_subgraph_calls
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,15 @@ def apply_vit_balance_pass(
     *,
     config: BalanceConfig | None = None,
     group: dist.ProcessGroup | None = None,
-    vit: str | None = None,
+    vit: str | nn.Module | None = None,
     group_name: str | None = None,
     world_size: int | None = None,
 ) -> fx.GraphModule:
     """Balance every call of the ViT in ``gm`` across the data-parallel group.
+
+    Two kinds of call are rewritten: a ``call_module`` leaf (``symbolic_trace``), and in dynamo
+    graphs an ``invoke_subgraph`` node of a ViT marked with ``nested_compile_region``
+    (``passes/subgraph.py``; it needs ``vit=`` the module, since dynamo graphs hold none).
 
     Before::
 
@@ -73,7 +78,8 @@ def apply_vit_balance_pass(
     Only the deepstack items the graph reads are moved back.
 
     Args:
-        vit: qualified name of the ViT in ``gm`` (default: found like ``enable_vit_balance``).
+        vit: the ViT module, or its qualified name in ``gm`` (default: found like
+            ``enable_vit_balance``).
         group_name, world_size: override the group (e.g. fixed values for graph snapshots).
 
     Returns:
@@ -81,35 +87,47 @@ def apply_vit_balance_pass(
 
     Raises:
         ValueError: the ViT's output is used other than by indexing (the pass cannot tell which
-            rows belong to which image), or only one of group_name/world_size is given.
+            rows belong to which image), only one of group_name/world_size is given, or a ViT
+            region is found without ``vit=`` the module.
     """
     config = config or BalanceConfig()
     if (group_name is None) != (world_size is None):
         raise ValueError("pass both group_name and world_size, or neither")
     dist_info = (group_name, world_size) if group_name else group_name_and_size(group)
-    target = vit or _vit_target(gm)
-    if dist_info is None or not config.enabled or target is None:
-        log.debug("apply_vit_balance_pass: nothing to do (group %s, vit %s)", dist_info, target)
+    if dist_info is None or not config.enabled:
+        log.debug("apply_vit_balance_pass: nothing to do (group %s)", dist_info)
         return gm
-    module = gm.get_submodule(target)
-    planner, merge = planner_for(module, config)
+    target = vit if isinstance(vit, str) else _vit_target(gm, vit)
     calls = [
         n
         for n in gm.graph.nodes
         if n.op == "call_module" and n.target == target and not _already_balanced(n)
     ]
-    for node in calls:
-        _rewrite(gm, node, module, planner, merge, *dist_info)
     if calls:
+        module = gm.get_submodule(target)
+        planner, merge = planner_for(module, config)
+        for node in calls:
+            _rewrite(gm, node, module, planner, merge, *dist_info)
+    regions = vit_subgraph_calls(gm)
+    if regions:
+        if not isinstance(vit, nn.Module):
+            raise ValueError(
+                "found a ViT captured by nested_compile_region; pass vit=<the ViT module> "
+                "(backend option 'vit') so the pass knows its merge size and cost model"
+            )
+        planner, merge = planner_for(vit, config)
+        for node in regions:
+            rewrite_subgraph_call(gm, node, planner, merge, *dist_info)
+    if calls or regions:
         gm.graph.lint()
         gm.recompile()
-    log.debug("apply_vit_balance_pass: balanced %d call(s) of %s", len(calls), target)
+    log.debug("apply_vit_balance_pass: balanced %d call(s)", len(calls) + len(regions))
     return gm
 
 
-def _vit_target(gm: fx.GraphModule) -> str | None:
+def _vit_target(gm: fx.GraphModule, vit: nn.Module | None) -> str | None:
     try:
-        vit = find_vit(gm)
+        vit = vit or find_vit(gm)
     except ValueError:
         return None
     names = [name for name, module in gm.named_modules() if module is vit]

@@ -20,9 +20,22 @@ STEPS = [
 ]
 
 
-def _model() -> OmniEncoderModel:
+@torch.compiler.nested_compile_region
+def _vit_region(vit, pixel_values, image_grid_thw):
+    return vit(pixel_values, image_grid_thw)
+
+
+class _RegionModel(OmniEncoderModel):
+    """The reference model with its ViT call marked as a nested compile region."""
+
+    def encode_images(self, pixel_values, image_grid_thw):
+        vis = _vit_region(self.visual, pixel_values, image_grid_thw)
+        return vis[0], [vis[2][k] for k in range(len(self.vit_config.deepstack_indexes))]
+
+
+def _model(cls=OmniEncoderModel) -> OmniEncoderModel:
     torch.manual_seed(0)
-    return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
+    return cls(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
 
 
 def _step(model, grids, rank, unbacked=False):
@@ -42,9 +55,13 @@ def _step(model, grids, rank, unbacked=False):
 def _compiled_vs_reference(rank: int, world: int, mode: str, steps=STEPS) -> dict:
     reference = _model()
     wanted = [_step(reference, step[rank], rank) for step in steps]
-    model = _model()
-    unbacked = mode == "inductor_single_graph"
-    if mode == "wrapped_vitbal_aot_eager":
+    model = _model(_RegionModel if mode == "region_vitbal_aot_eager" else OmniEncoderModel)
+    unbacked = mode in ("inductor_single_graph", "region_vitbal_aot_eager")
+    if mode == "region_vitbal_aot_eager":
+        torch._dynamo.config.inline_single_use_invoke_subgraph = False
+        options = {"inner": "aot_eager", "vit": model.visual}
+        run = torch.compile(model, backend="vitbal", fullgraph=True, options=options)
+    elif mode == "wrapped_vitbal_aot_eager":
         fx_vitbal.enable_vit_balance(model)
         run = torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})
     elif mode == "wrapped_vitbal_inductor":
@@ -92,6 +109,12 @@ def test_fx_pass_under_inductor_fullgraph_compiles_once_for_all_image_counts():
     for res in results:
         print(f"inductor single graph: {res['graphs']} graph(s), {res['seconds']:.0f} s")
         assert res["graphs"] == 1
+
+
+def test_vit_marked_as_nested_compile_region_is_balanced_by_the_backend_in_one_graph():
+    results = run_ranks(_compiled_vs_reference, 2, "region_vitbal_aot_eager")
+    _check(results)
+    assert [res["graphs"] for res in results] == [1, 1]
 
 
 def test_unbalanced_vit_through_the_vitbal_backend_is_refused():
