@@ -33,6 +33,24 @@ _RESTORE = torch.ops.vitbal.restore.default
 _SYM_SIZE = torch.ops.aten.sym_size.int
 
 
+def insert_plan_and_redistribute(
+    graph: fx.Graph,
+    pixels: fx.Node,
+    grid: fx.Node,
+    merge: int,
+    planner: str,
+    world_size: int,
+    group_name: str,
+) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Add ``plan`` and ``redistribute`` at the insertion point; return the balanced pixels,
+    the balanced grid and the routing (shared by both kinds of ViT call)."""
+    plan = graph.call_function(_PLAN, (pixels, grid, merge, planner, world_size, group_name))
+    grid_b = graph.call_function(operator.getitem, (plan, 0))
+    routing = graph.call_function(operator.getitem, (plan, 1))
+    moved = graph.call_function(_REDISTRIBUTE, ([pixels], routing, 1, merge**2, None, group_name))
+    return graph.call_function(operator.getitem, (moved, 0)), grid_b, routing
+
+
 def vit_subgraph_calls(gm: fx.GraphModule) -> list[fx.Node]:
     """``invoke_subgraph`` nodes whose region is a registered ViT, not yet balanced."""
     return [
@@ -70,13 +88,9 @@ def rewrite_subgraph_call(
                 "and other outputs need the FX pass on a call_module ViT"
             )
     with graph.inserting_before(node):
-        plan = graph.call_function(_PLAN, (pixels, grid, merge, planner, world_size, group_name))
-        grid_b = graph.call_function(operator.getitem, (plan, 0))
-        routing = graph.call_function(operator.getitem, (plan, 1))
-        moved = graph.call_function(
-            _REDISTRIBUTE, ([pixels], routing, 1, merge**2, None, group_name)
+        pixels_b, grid_b, routing = insert_plan_and_redistribute(
+            graph, pixels, grid, merge, planner, world_size, group_name
         )
-        pixels_b = graph.call_function(operator.getitem, (moved, 0))
         sizes = {
             _symbol(pixels): graph.call_function(_SYM_SIZE, (pixels_b, 0)),
             _symbol(grid): graph.call_function(_SYM_SIZE, (grid_b, 0)),

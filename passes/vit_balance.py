@@ -19,11 +19,14 @@ from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.encoder import find_vit, group_name_and_size, planner_for, regenerate_window_index
-from fx_vitbal.passes.subgraph import rewrite_subgraph_call, vit_subgraph_calls
+from fx_vitbal.passes.subgraph import (
+    insert_plan_and_redistribute,
+    rewrite_subgraph_call,
+    vit_subgraph_calls,
+)
 
 log = logging.getLogger(__name__)
 
-_PLAN = torch.ops.vitbal.plan.default
 _REDISTRIBUTE = torch.ops.vitbal.redistribute.default
 _RESTORE = torch.ops.vitbal.restore.default
 
@@ -151,13 +154,10 @@ def _rewrite(gm, node, module, planner, merge, group_name, world_size) -> None:
     pixels_name, grid_name = list(bound.arguments)[:2]
     pixels, grid = bound.arguments[pixels_name], bound.arguments[grid_name]
     with graph.inserting_before(node):
-        plan = graph.call_function(_PLAN, (pixels, grid, merge, planner, world_size, group_name))
-        grid_b = graph.call_function(operator.getitem, (plan, 0))
-        routing = graph.call_function(operator.getitem, (plan, 1))
-        moved = graph.call_function(
-            _REDISTRIBUTE, ([pixels], routing, 1, merge**2, None, group_name)
+        pixels_b, grid_b, routing = insert_plan_and_redistribute(
+            graph, pixels, grid, merge, planner, world_size, group_name
         )
-        bound.arguments[pixels_name] = graph.call_function(operator.getitem, (moved, 0))
+    bound.arguments[pixels_name] = pixels_b
     bound.arguments[grid_name] = grid_b
     node.args, node.kwargs = bound.args, bound.kwargs
 

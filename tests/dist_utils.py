@@ -68,6 +68,26 @@ def assert_units_moved(results) -> None:
     assert any(sum(res["moves"]) for res in results), "no unit moved: a passthrough also matches"
 
 
+def train_step(model, grids, rank: int, *, in_dim: int = 24, unbacked: bool = False):
+    """One step of the reference model on ``make_inputs(grids)``: ``(logits, all-reduced grads)``.
+
+    ``unbacked`` marks the batch dims so one compiled graph serves every image count.
+    """
+    from fx_vitbal.models import make_inputs
+
+    input_ids, pixels, grid = make_inputs(grids, in_dim=in_dim, seed=rank)
+    if unbacked:
+        torch._dynamo.decorators.mark_unbacked(pixels, 0)
+        torch._dynamo.decorators.mark_unbacked(grid, 0)
+        torch._dynamo.mark_dynamic(input_ids, 0)
+    logits = model(input_ids, pixels, grid)
+    logits.pow(2).mean().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads)
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
+
+
 def _worker(rank, fn, world_size, tmp, args):
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "store"), world_size)

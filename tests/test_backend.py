@@ -4,8 +4,7 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_utils import assert_units_moved, record_moves, run_ranks
+from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
 
 import fx_vitbal
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
@@ -38,23 +37,9 @@ def _model(cls=OmniEncoderModel) -> OmniEncoderModel:
     return cls(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
 
 
-def _step(model, grids, rank, unbacked=False):
-    input_ids, pixels, grid = make_inputs(grids, in_dim=24, seed=rank)
-    if unbacked:  # one graph for every image count, including 0 and 1
-        torch._dynamo.decorators.mark_unbacked(pixels, 0)
-        torch._dynamo.decorators.mark_unbacked(grid, 0)
-        torch._dynamo.mark_dynamic(input_ids, 0)
-    logits = model(input_ids, pixels, grid)
-    logits.pow(2).mean().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    dist.all_reduce(grads)
-    model.zero_grad(set_to_none=True)
-    return logits.detach(), grads
-
-
 def _compiled_vs_reference(rank: int, world: int, mode: str, steps=STEPS) -> dict:
     reference = _model()
-    wanted = [_step(reference, step[rank], rank) for step in steps]
+    wanted = [train_step(reference, step[rank], rank) for step in steps]
     model = _model(_RegionModel if mode == "region_vitbal_aot_eager" else OmniEncoderModel)
     unbacked = mode in ("inductor_single_graph", "region_vitbal_aot_eager")
     if mode == "region_vitbal_aot_eager":
@@ -72,7 +57,7 @@ def _compiled_vs_reference(rank: int, world: int, mode: str, steps=STEPS) -> dic
     torch._dynamo.utils.counters.clear()
     start = time.perf_counter()
     with record_moves() as moves:
-        got = [_step(run, step[rank], rank, unbacked) for step in steps]
+        got = [train_step(run, step[rank], rank, unbacked=unbacked) for step in steps]
     return {
         "got": got,
         "wanted": wanted,

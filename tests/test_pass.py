@@ -4,12 +4,11 @@ import operator
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_utils import assert_units_moved, record_moves, run_ranks
+from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
 from expecttest import TestCase
 
 from fx_vitbal import BalanceConfig
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
+from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 
 # Fixed group and world size: they are literals in the rewritten graph.
@@ -128,24 +127,14 @@ STEPS = [  # per step, per rank: a skewed batch; rank 0 has no image in the last
 ]
 
 
-def _step(model, grids, rank):
-    input_ids, pixels, grid = make_inputs(grids, in_dim=24, seed=rank)
-    logits = model(input_ids, pixels, grid)
-    logits.pow(2).mean().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    dist.all_reduce(grads)
-    model.zero_grad(set_to_none=True)
-    return logits.detach(), grads
-
-
 def _pass_vs_reference(rank: int, world: int, compiled: bool) -> list:
     config = dict(deepstack_indexes=(0,))
     reference = _model(**config)
-    wanted = [_step(reference, step[rank], rank) for step in STEPS]
+    wanted = [train_step(reference, step[rank], rank) for step in STEPS]
     gm = apply_vit_balance_pass(symbolic_trace(_model(**config)))
     run = torch.compile(gm, backend="aot_eager", fullgraph=True) if compiled else gm
     with record_moves() as moves:
-        got = [_step(run, step[rank], rank) for step in STEPS]
+        got = [train_step(run, step[rank], rank) for step in STEPS]
     return {"got": got, "wanted": wanted, "moves": moves}
 
 
