@@ -1,5 +1,6 @@
 """Multi-rank (gloo) tests of the eager runtime: exact results, lockstep errors, round trips."""
 
+import logging
 import random
 from collections import Counter
 
@@ -170,9 +171,30 @@ def _skip_and_world_of_one(rank: int, world: int) -> dict:
     embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     alone, _, _ = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, group=singles[rank])
-    return {"same_input_object": calls[0] == pixels.data_ptr(), "equal": torch.equal(embeds, alone)}
+    same_input_object = calls[0] == pixels.data_ptr()
+    # Verbose: one line per step, on rank 0 only.
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("fx_vitbal.exchange")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    verbose = fx_vitbal.BalanceConfig(verbose=True)
+    for grids in (GRIDS, [[[1, 4, 4]]] * world):  # skewed, then balanced
+        _, pixels, grid = make_inputs(grids[rank], in_dim=VIT.in_dim, dtype=torch.float64)
+        fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, config=verbose)
+    return {
+        "same_input_object": same_input_object,
+        "equal": torch.equal(embeds, alone),
+        "log": lines,
+    }
 
 
-def test_balanced_batches_skip_without_copies_and_single_rank_groups_are_plain_calls():
-    for res in run_ranks(_skip_and_world_of_one, 2):
-        assert res == {"same_input_object": True, "equal": True}
+def test_skips_without_copies_single_rank_groups_are_plain_calls_and_verbose_logs_on_rank_0():
+    results = run_ranks(_skip_and_world_of_one, 2)
+    for res in results:
+        assert (res["same_input_object"], res["equal"]) == (True, True)
+    assert results[1]["log"] == []
+    applied, skipped = results[0]["log"]
+    assert applied.startswith("vit dp balance: applied imbalance") and "moved" in applied
+    assert skipped.startswith("vit dp balance: balanced imbalance 0.000")
