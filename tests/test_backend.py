@@ -9,6 +9,7 @@ from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
 import fx_vitbal
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.passes.backend import make_vitbal_backend
 
 # Per step, per rank. Image counts change every step (0 to 3), so a compiled graph that
 # specialized on them would recompile.
@@ -102,9 +103,14 @@ def test_vit_marked_as_nested_compile_region_is_balanced_by_the_backend_in_one_g
     assert [res["graphs"] for res in results] == [1, 1]
 
 
-def test_unbalanced_vit_through_the_vitbal_backend_is_refused():
+@pytest.mark.parametrize("how", ["by_name", "factory"])
+def test_unbalanced_vit_through_the_vitbal_backend_is_refused(how):
+    torch._dynamo.reset()
     model = _model()
-    compiled = torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})
+    if how == "by_name":
+        compiled = torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})
+    else:
+        compiled = torch.compile(model, backend=make_vitbal_backend(inner="aot_eager"))
     input_ids, pixels, grid = make_inputs([[1, 4, 4]], in_dim=24)
     with pytest.raises(Exception, match="compiled without balancing"):
         compiled(input_ids, pixels, grid)
