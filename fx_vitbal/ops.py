@@ -7,9 +7,11 @@ Conventions (each one fixes a failure seen on torch 2.13):
 - The group travels as ``group_name: str`` and the world size as an ``int`` argument; fake
   kernels read nothing but their arguments, so a graph compiled for 2 ranks can never be served
   from a cache to 4 ranks.
-- Data-dependent row counts are fresh unbacked sizes (``new_dynamic_size``, ``min=0``: a rank
-  may receive nothing). ``restore`` takes its output row count as a ``SymInt`` so the rest of the
-  model sees ordinary (backed) sizes.
+- Data-dependent row counts are fresh unbacked sizes (``new_dynamic_size``) with a true ``min``:
+  every rank computes at least one unit (a dummy one if it has nothing else), which also keeps
+  inductor's CPU bmm lowering from guarding on ``rows == 1``. ``restore`` takes its output row
+  count as a ``SymInt`` so the rest of the model sees ordinary (backed) sizes; ``routing`` has a
+  size derived from the pixel rows, so ``plan`` adds a single fresh size (the balanced grid's).
 - The routing tensor lives on the CPU: reading it never syncs a GPU.
 - No effect tokens: registering the ops as ``EffectType.ORDERED`` breaks inductor on torch 2.13
   (lowering ``with_effects`` re-creates the ops' unbacked sizes and the scheduler then fails
