@@ -205,10 +205,10 @@ def _place(
     # lower bound: refresh it when it surfaces instead of pushing on every change.
     heap = [(load, r) for r, load in enumerate(loads)]
     heapq.heapify(heap)
-    cost = units.cost
+    cost, tokens, src = units.cost, units.tokens, units.src
     for u in order:
-        need = units.tokens[u]
-        home = units.src[u]
+        need = tokens[u]
+        home = src[u]
         chosen = -1
         if loads[home] + cost[u] <= home_fill and _fits(
             rank_tokens[home], rank_units[home], need, cap
@@ -226,7 +226,12 @@ def _place(
         if chosen < 0:
             # Nothing fits: the rank with the fewest rows takes it; the plan reports the violation.
             chosen = min(range(len(loads)), key=lambda k: (rank_tokens[k], k))
-        elif loads[home] == loads[chosen] and _fits(rank_tokens[home], rank_units[home], need, cap):
+        elif (
+            popped
+            and chosen != home
+            and loads[home] == loads[chosen]
+            and _fits(rank_tokens[home], rank_units[home], need, cap)
+        ):
             chosen = home  # an LPT tie: staying home moves nothing
         dest[u] = chosen
         loads[chosen] += cost[u]
