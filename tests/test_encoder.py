@@ -1,0 +1,75 @@
+"""Finding, declaring and wrapping the ViT (single process: without a group every call is plain)."""
+
+import pytest
+import torch
+from torch import nn
+
+import fx_vitbal
+from fx_vitbal.encoder import VisionEncoderSpec, find_vit, vision_encoder_spec
+from fx_vitbal.models import LMConfig, OmniEncoderModel, QwenStyleViT, ViTConfig, make_inputs
+
+
+def _model() -> OmniEncoderModel:
+    torch.manual_seed(0)
+    return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig())
+
+
+class _Holder(nn.Module):
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__()
+        self.add_module(name, module)
+
+
+def test_find_vit_by_path_by_child_name_by_registered_class_and_itself():
+    model = _model()
+    assert find_vit(model) is model.visual  # a child named "visual"
+    nested = _Holder("backbone", model)
+    assert find_vit(nested) is model.visual
+    assert find_vit(nested, "backbone.visual") is model.visual
+    assert find_vit(nested, model.visual) is model.visual
+    renamed = _Holder("encoder", QwenStyleViT(ViTConfig()))
+    assert find_vit(renamed) is renamed.encoder  # found by its registered class
+    assert find_vit(model.visual) is model.visual
+
+
+def test_no_vit_found_raises_value_error_naming_the_ways_to_declare_one():
+    with pytest.raises(ValueError, match="register its class with register_vision_encoder"):
+        find_vit(_Holder("head", nn.Linear(2, 2)))
+
+
+def test_unregistered_class_has_no_spec():
+    with pytest.raises(TypeError, match="register_vision_encoder"):
+        vision_encoder_spec(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="spatial_merge_size"):
+        fx_vitbal.register_vision_encoder(nn.Linear, frame_independent=False, spatial_merge_size=0)
+
+
+def test_merge_size_comes_from_the_spec_or_the_instance():
+    vit = QwenStyleViT(ViTConfig(spatial_merge_size=1))
+    assert vision_encoder_spec(vit).merge_size(vit) == 1
+    assert VisionEncoderSpec(frame_independent=True, spatial_merge_size=2).merge_size(vit) == 2
+    with pytest.raises(TypeError, match="spatial_merge_size"):
+        VisionEncoderSpec(frame_independent=True).merge_size(nn.Linear(2, 2))
+
+
+def test_enable_wraps_in_place_once_and_keeps_state_dict_keys():
+    model = _model()
+    keys = list(model.state_dict())
+    original = model.visual.forward
+    assert fx_vitbal.enable_vit_balance(model) is model
+    fx_vitbal.enable_vit_balance(model, config=fx_vitbal.BalanceConfig(trigger_threshold=0.5))
+    assert model.visual._vitbal_original_forward == original  # wrapped once, not twice
+    assert model.visual.forward != original
+    assert list(model.state_dict()) == keys
+    input_ids, pixels, grid = make_inputs([[1, 4, 4], [2, 2, 2]], in_dim=24)
+    plain = _model()
+    torch.testing.assert_close(model(input_ids, pixels, grid), plain(input_ids, pixels, grid))
+
+
+def test_without_a_process_group_the_balanced_call_is_the_plain_call():
+    vit = QwenStyleViT(ViTConfig(window_size=2, fullatt_block_indexes=(1,)))
+    _, pixels, grid = make_inputs([[1, 8, 4]], in_dim=24)
+    got = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+    want = vit(pixels, grid)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
