@@ -325,11 +325,24 @@ def _best_step(
     cap: float,
 ) -> tuple[int, int] | None:
     """Best move (``(u, -1)``) or swap (``(u, v)``) between two ranks: the one minimizing the
-    pair's new maximum; ties go to the lowest unit ids (a total order)."""
+    pair's new maximum; ties go to the lowest unit ids (a total order).
+
+    For a unit ``u`` the new maximum is V-shaped in the partner's cost, lowest at
+    ``cost[u] - gap / 2``; without a row cap only the two partners nearest that cost can win, so
+    they are found by bisection instead of trying every pair.
+    """
+    cost = units.cost
+    if cap == math.inf:
+        partners = sorted((cost[v], v) for v in on_lo)
+        partner_costs = [c for c, _ in partners]
     best = None
     for u in on_hi:
-        for v in [-1, *on_lo]:
-            delta = units.cost[u] - (units.cost[v] if v >= 0 else 0.0)
+        candidates = on_lo
+        if cap == math.inf:
+            i = bisect.bisect_left(partner_costs, cost[u] - gap / 2)
+            candidates = [partners[j][1] for j in (i - 1, i) if 0 <= j < len(partners)]
+        for v in [-1, *candidates]:
+            delta = cost[u] - (cost[v] if v >= 0 else 0.0)
             if not 0 < delta < gap:
                 continue
             shift = units.tokens[u] - (units.tokens[v] if v >= 0 else 0)
