@@ -195,19 +195,24 @@ class _Merger(nn.Module):
         return self.mlp(self.norm(x).unflatten(0, (-1, self.m * self.m)).flatten(1))
 
 
-class _VisionBlock(nn.Module):
-    def __init__(self, config: ViTConfig) -> None:
+class _PreNormBlock(nn.Module):
+    """The layers of a pre-norm transformer block; subclasses say how attention is restricted."""
+
+    def __init__(self, hidden: int, num_heads: int, mlp_hidden: int) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.norm1 = nn.LayerNorm(config.hidden)
-        self.qkv = nn.Linear(config.hidden, 3 * config.hidden)
-        self.proj = nn.Linear(config.hidden, config.hidden)
-        self.norm2 = nn.LayerNorm(config.hidden)
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(
-            nn.Linear(config.hidden, config.mlp_hidden),
-            nn.GELU(),
-            nn.Linear(config.mlp_hidden, config.hidden),
+            nn.Linear(hidden, mlp_hidden), nn.GELU(), nn.Linear(mlp_hidden, hidden)
         )
+
+
+class _VisionBlock(_PreNormBlock):
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__(config.hidden, config.num_heads, config.mlp_hidden)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments) -> Tensor:
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
@@ -323,19 +328,9 @@ class QwenStyleViT(nn.Module):
         return self.merger(x), window_index, deepstack
 
 
-class _DecoderBlock(nn.Module):
+class _DecoderBlock(_PreNormBlock):
     def __init__(self, config: LMConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.norm1 = nn.LayerNorm(config.hidden)
-        self.qkv = nn.Linear(config.hidden, 3 * config.hidden)
-        self.proj = nn.Linear(config.hidden, config.hidden)
-        self.norm2 = nn.LayerNorm(config.hidden)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.hidden, 4 * config.hidden),
-            nn.GELU(),
-            nn.Linear(4 * config.hidden, config.hidden),
-        )
+        super().__init__(config.hidden, config.num_heads, 4 * config.hidden)
 
     def forward(self, x: Tensor) -> Tensor:
         # Static unflatten sizes only, so torch.fx never has to trace a shape.
