@@ -15,7 +15,6 @@ import torch
 from torch import Tensor, nn
 
 from fx_vitbal.encoder import (
-    VisionEncoderSpec,
     _unwrapped,
     regenerate_window_index,
     vision_encoder_spec,
@@ -103,7 +102,7 @@ def check_vision_encoder(
         ValueError: a grid row is not positive or h, w are not multiples of the merge size; or,
             with ``raise_on_failure``, a promise is broken (the message is the report).
     """
-    spec = _declared_spec(vit)
+    spec = vision_encoder_spec(vit)  # unregistered: frames not independent
     m = spec.merge_size(vit)
     if in_dim is None:
         in_dim = getattr(getattr(vit, "config", None), "in_dim", None)
@@ -300,13 +299,6 @@ def _copy_for_check(
         # another reason fails again, with its own error, in its own dtype.
         dtype = next((p.dtype for p in vit.parameters() if p.is_floating_point()), torch.float32)
         return copy.deepcopy(vit), pixels.to(dtype)
-
-
-def _declared_spec(vit: nn.Module) -> VisionEncoderSpec:
-    try:
-        return vision_encoder_spec(vit)
-    except TypeError:  # an unregistered class declares nothing: frames are not independent
-        return VisionEncoderSpec(frame_independent=False)
 
 
 def _default_grids(m: int) -> list[tuple[int, int, int]]:

@@ -1,15 +1,18 @@
 """Balanced ViT calls: ``dp_balance_vit_encoder`` and in-place ``enable_vit_balance``.
 
-The ViT contract is the seed's: ``vit(pixel_values, image_grid_thw)`` returns
-``(pixel_embeds, window_index, deepstack_pixel_embeds)`` with ``t*h*w / merge**2`` rows per grid
-row in every embedding. What the balancer must know about a ViT class (merge size, whether it
-attends per frame, its dimensions for the cost model) comes from ``register_vision_encoder``:
-nothing is guessed.
+The ViT contract is the one of LoongForge's ``--use-vit-dp-balance``: ``vit(pixel_values,
+image_grid_thw)`` returns ``(pixel_embeds, window_index, deepstack_pixel_embeds)``, and the
+instance has a ``spatial_merge_size``. Each output tensor has, per grid row ``[t, h, w]``, either
+``t*h*w`` rows (pre-merger) or ``t*h*w / merge**2`` rows (merged); the layout of each is read from
+its row count. Any such module is balanceable as is: whole grid rows move, costed by ``l**2``.
+``register_vision_encoder`` declares what cannot be guessed (frames encoded independently, the
+dimensions behind the architecture cost model).
 """
 
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -24,27 +27,45 @@ from fx_vitbal.exchange import planner_spec
 log = logging.getLogger(__name__)
 
 VIT_CHILD_NAMES = ("visual", "vision_model", "vision_tower", "image_encoder")
+# Child names under which torch.compile's OptimizedModule, checkpoint_wrapper / offload_wrapper
+# and FSDP1 hold the module they wrap (DDP and DataParallel use `module`, checked by class).
+WRAPPED_CHILD_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionEncoderSpec:
-    """What balancing needs to know about a ViT class."""
+    """What balancing knows about a ViT class beyond the contract (``UNDECLARED`` when nothing
+    was registered). ``fx_vitbal.check_vision_encoder`` tests a ViT against these promises."""
 
     frame_independent: bool
-    """True when every frame is encoded on its own (attention, positions, windows per frame), so
-    a video's frames may be computed on different ranks with identical results."""
+    """True when every frame is encoded on its own (attention, positions, windows per frame).
+    Consequence: a video's frames become separate units that may be computed on different ranks
+    (finer balance). Declared wrongly, outputs and gradients are silently wrong, which is why
+    nothing assumes it: an undeclared ViT moves whole grid rows."""
     spatial_merge_size: int | None = None
-    """Output rows per grid row are ``t*h*w / spatial_merge_size**2``; h and w must divide.
-    None: read the instance's ``spatial_merge_size`` attribute (Qwen and GLM towers have one)."""
+    """The merge size ``m``: grid ``h`` and ``w`` are multiples of it and merged outputs have
+    ``t*h*w / m**2`` rows per grid row. None: read the instance's ``spatial_merge_size``
+    attribute (Qwen and GLM towers have one)."""
     cost_model: Callable[[nn.Module], ArchitectureCost] | None = None
-    """Builds the architecture-aware cost model from a ViT instance."""
+    """Builds the architecture-aware cost model (linear layers, per-frame or windowed
+    attention) from a ViT instance. Consequence: the default ``cost_model="auto"`` plans with
+    it instead of ``(t*h*w)**2``, which misjudges most real images (attention only dominates
+    past ~6x the hidden size in tokens per frame)."""
 
     def merge_size(self, vit: nn.Module) -> int:
+        """The declared merge size, else ``vit.spatial_merge_size``.
+
+        Raises:
+            TypeError: neither is a positive int.
+        """
+        vit = unwrap_module(vit)
         size = self.spatial_merge_size or getattr(vit, "spatial_merge_size", None)
         if not isinstance(size, int) or size < 1:
             raise TypeError(
-                f"{type(vit).__qualname__} has no spatial_merge_size attribute; register it with "
-                "an explicit spatial_merge_size"
+                f"{type(vit).__qualname__} has no spatial_merge_size attribute (a positive int: "
+                "merged outputs have t*h*w/spatial_merge_size**2 rows per grid row); set it on the "
+                "instance, or register the class with register_vision_encoder(..., "
+                "spatial_merge_size=...)"
             )
         return size
 
@@ -74,19 +95,45 @@ def register_vision_encoder(
     return cls
 
 
-def vision_encoder_spec(vit: nn.Module) -> VisionEncoderSpec:
-    """The registered spec of ``vit``'s class (or of its nearest registered base class).
+# What balancing assumes of a ViT nobody declared: whole grid rows move (nothing says its frames
+# are independent), its merge size is the instance's attribute, and it is costed by l**2.
+UNDECLARED = VisionEncoderSpec(frame_independent=False)
+_told_undeclared: set[type] = set()
 
-    Raises:
-        TypeError: the class was never registered.
-    """
+
+def vision_encoder_spec(vit: nn.Module) -> VisionEncoderSpec:
+    """The registered spec of ``vit``'s class (or of its nearest registered base class), else
+    ``UNDECLARED``. Wrappers (DDP, FSDP1, checkpoint_wrapper, torch.compile) are seen through."""
+    vit = unwrap_module(vit)
     for cls in type(vit).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
-    raise TypeError(
-        f"{type(vit).__qualname__} is not a known vision encoder; declare it with "
-        "fx_vitbal.register_vision_encoder(cls, frame_independent=...)"
-    )
+    if type(vit) not in _told_undeclared and not (dist.is_initialized() and dist.get_rank()):
+        log.warning(
+            "vit dp balance: %s is not registered, so whole images move and are costed by "
+            "(t*h*w)**2; fx_vitbal.register_vision_encoder(%s, frame_independent=..., "
+            "cost_model=...) unlocks frame splitting and the architecture cost model",
+            type(vit).__qualname__,
+            type(vit).__name__,
+        )
+        _told_undeclared.add(type(vit))
+    return UNDECLARED
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The module inside the wrappers users put around models: ``torch.compile``'s
+    ``OptimizedModule``, DDP and ``DataParallel``, FSDP1, ``checkpoint_wrapper`` (and
+    accelerate's, which are the same classes). FSDP2 and in-place ``module.compile()`` keep the
+    module's own class, so there is nothing to see through."""
+    while True:
+        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+            continue
+        children = vars(module).get("_modules", {})
+        name = next((n for n in WRAPPED_CHILD_NAMES if n in children), None)
+        if name is None:
+            return module
+        module = children[name]
 
 
 def dp_balance_vit_encoder(
@@ -102,15 +149,16 @@ def dp_balance_vit_encoder(
 
     Every rank of ``group`` must call this at the same step (with zero images if it has none).
     Without an initialised process group, with one rank, or with ``config.enabled`` False it is a
-    plain call.
+    plain call. ``vit`` needs no registration (see the module doc).
 
     Returns:
-        ``(pixel_embeds, window_index, deepstack_pixel_embeds)``; ``window_index`` is regenerated
-        from the original grid (a tensor, or None when the ViT returns None).
+        ``(pixel_embeds, window_index, deepstack_pixel_embeds)``, each embedding in the layout
+        the ViT gave it; ``window_index`` is regenerated from the original grid (a tensor, or None
+        when the ViT returns None).
 
     Raises:
-        ValueError: on every rank, when any rank's input is malformed.
-        TypeError: ``vit``'s class is not registered.
+        ValueError: on every rank, when any rank's input or ViT output is malformed.
+        TypeError: ``vit`` has no ``spatial_merge_size``.
     """
     return _balanced_call(vit, _unwrapped(vit), pixel_values, image_grid_thw, config, group)
 
@@ -125,9 +173,12 @@ def enable_vit_balance(
     """Balance the ViT inside ``model`` (or ``model`` itself) in place; returns ``model``.
 
     The ViT's ``forward`` is replaced on the instance, so parameter names, ``state_dict`` keys,
-    hooks and FSDP wrapping are untouched. Calling it again updates config and group. Balancing
-    runs while the ViT is in training mode: in eval mode (generation), ranks need not step
-    together. Hugging Face VLMs and towers go to ``fx_vitbal.integrations.hf``.
+    hooks and FSDP wrapping are untouched. When the ViT sits in a wrapper (``checkpoint_wrapper``,
+    FSDP1, ``torch.compile``), the wrapper's ``forward`` is the one replaced, so images move
+    before it runs. Calling it again updates config and group. Balancing runs while the ViT is
+    in training mode: in eval mode (generation), ranks need not step together. Hugging Face VLMs
+    and towers go to ``fx_vitbal.integrations.hf``. Wrappers around ``model`` (DDP, FSDP1,
+    ``torch.compile``) are seen through.
 
     Args:
         vit: the ViT, or its dotted path in ``model``. Default: ``model`` if its class is
@@ -139,28 +190,33 @@ def enable_vit_balance(
     """
     from fx_vitbal.integrations import hf  # it builds on this module
 
-    if vit is None and hf.is_hf_model(model):
-        return hf.enable_hf_vit_balance(model, config=config, group=group)
-    module = find_vit(model, vit)
+    inner = unwrap_module(model)
+    if vit is None and hf.is_hf_model(inner):
+        hf.enable_hf_vit_balance(inner, config=config, group=group)
+        return model
+    module = find_vit(inner, vit)
     original = getattr(module, "_vitbal_original_forward", module.forward)
     module._vitbal_original_forward = original
+    module._vitbal_planner = planner_for(module, config or BalanceConfig())
     module.forward = functools.partial(_training_call, module, original, config, group)
     return model
 
 
 def find_vit(model: nn.Module, vit: str | nn.Module | None = None) -> nn.Module:
-    """Locate the ViT as ``enable_vit_balance`` documents.
+    """Locate the ViT as ``enable_vit_balance`` documents, seeing through wrappers around
+    ``model``; a ViT inside a wrapper is returned as its outermost wrapper.
 
     Raises:
         ValueError: no ViT found.
     """
     if isinstance(vit, nn.Module):
         return vit
-    if isinstance(vit, str):
-        return model.get_submodule(vit)
     if _is_registered(model):
         return model
-    named = list(model.named_modules())
+    model = unwrap_module(model)
+    if isinstance(vit, str):
+        return model.get_submodule(vit)
+    named = list(model.named_modules())  # pre-order: a wrapper comes before what it wraps
     for name, module in named:
         if name.rsplit(".", 1)[-1] in VIT_CHILD_NAMES:
             return module
@@ -174,18 +230,41 @@ def find_vit(model: nn.Module, vit: str | nn.Module | None = None) -> nn.Module:
 
 
 def group_name_and_size(group: dist.ProcessGroup | None) -> tuple[str, int] | None:
-    """``(group_name, world_size)`` of ``group`` (default: WORLD); None when not distributed."""
+    """``(group_name, world_size)`` of ``group`` (default: WORLD); None when not distributed.
+
+    Warns once when the environment says several ranks were launched (``WORLD_SIZE`` > 1, as
+    torchrun sets it) but no process group is initialised: balancing would silently be off.
+    """
     if not (dist.is_available() and dist.is_initialized()):
+        _warn_if_launched_without_group()
         return None
     group = group or dist.group.WORLD
     size = dist.get_world_size(group)
     return (group.group_name, size) if size > 1 else None
 
 
+@functools.cache
+def _warn_if_launched_without_group() -> None:
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        log.warning(
+            "vit dp balance: WORLD_SIZE=%s but no torch.distributed process group is "
+            "initialised, so ViT balancing is off; call torch.distributed.init_process_group() "
+            "before the first step",
+            launched,
+        )
+
+
+@torch.compiler.assume_constant_result
 def planner_for(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
-    """``(planner spec string, merge size)`` for ``vit`` under ``config``."""
+    """``(planner spec string, merge size)`` for ``vit`` under ``config``.
+
+    A constant for ``torch.compile`` (its JSON building is not traceable): the ViT's class and
+    the config do not change while a compiled graph lives, and the string is an argument of
+    the ``plan`` op, so it is part of the graph and of every cache key.
+    """
     spec = vision_encoder_spec(vit)
-    architecture = spec.cost_model(vit) if spec.cost_model is not None else None
+    architecture = spec.cost_model(unwrap_module(vit)) if spec.cost_model is not None else None
     cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture)
     split = config.split_frames and spec.frame_independent
     return planner_spec(dataclasses.replace(config, split_frames=split), cost_model), (
@@ -195,33 +274,55 @@ def planner_for(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
 
 def regenerate_window_index(vit: nn.Module, grid_thw: torch.Tensor) -> torch.Tensor:
     """``vit.get_window_index(grid)`` as a tensor (some ViTs return ``(index, cu_seqlens)``)."""
-    index = vit.get_window_index(grid_thw)
+    index = unwrap_module(vit).get_window_index(grid_thw)
     return index[0] if isinstance(index, tuple) else index
 
 
-def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=None):
+def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=None, planner=None):
     config = config or BalanceConfig()
     dist_info = group_name_and_size(group)
     if not config.enabled or dist_info is None:
         return call(pixel_values, image_grid_thw)
-    group_name, world_size = dist_info
-    planner, merge = planner_for(vit, config)
-    grid, routing = ops.plan(pixel_values, image_grid_thw, merge, planner, world_size, group_name)
-    if not torch.compiler.is_compiling() and not routing[0]:
-        return call(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
-    (pixels,) = ops.redistribute([pixel_values], routing, 1, merge * merge, None, group_name)
-    embeds, window_index, deepstack = call(pixels, grid)
-    out_rows = pixel_values.shape[0] // (merge * merge)
-    restored = ops.restore([embeds, *deepstack], routing, merge * merge, out_rows, group_name)
+    planner, merge = planner or planner_for(vit, config)
+
+    def run(pixels, grid):
+        embeds, window_index, deepstack = call(pixels, grid)
+        return [embeds, *deepstack], window_index
+
+    outputs, window_index = run_balanced(
+        run, pixel_values, image_grid_thw, merge, planner, dist_info
+    )
     if window_index is not None:
         window_index = regenerate_window_index(vit, image_grid_thw)
-    return restored[0], window_index, list(restored[1:])
+    return outputs[0], window_index, list(outputs[1:])
+
+
+def run_balanced(run, pixel_values, image_grid_thw, merge, planner, dist_info):
+    """plan -> redistribute -> ``run(pixels, grid)`` -> restore, the one balanced ViT call of
+    every eager and in-place path (and of compiled wrappers, which trace it).
+
+    ``run`` returns ``(outputs, extra)``: the embeddings to move home (pre-merger or merged
+    layout each) and anything else, passed back untouched. Returns ``(restored outputs, extra)``.
+    A skipped plan runs ``run`` on the local batch with no copy, except on a rank with no image,
+    which goes through the ops so its ViT computes the dummy unit instead of zero rows.
+    """
+    group_name, world_size = dist_info
+    area = merge * merge
+    grid, routing = ops.plan(pixel_values, image_grid_thw, merge, planner, world_size, group_name)
+    if not torch.compiler.is_compiling() and not routing[0] and pixel_values.shape[0]:
+        return run(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
+    (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
+    outputs, extra = run(pixels, grid)
+    layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
+    home_blocks = pixel_values.shape[0] // area
+    return ops.restore(outputs, routing, area, layouts, home_blocks, group_name), extra
 
 
 def _training_call(vit, original, config, group, pixel_values, image_grid_thw):
     if not vit.training:
         return original(pixel_values, image_grid_thw)
-    return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group)
+    planner = vit._vitbal_planner
+    return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group, planner)
 
 
 def _unwrapped(vit: nn.Module) -> Callable:
@@ -229,10 +330,20 @@ def _unwrapped(vit: nn.Module) -> Callable:
     return getattr(vit, "_vitbal_original_forward", vit)
 
 
+def registered_vision_encoders() -> list[type]:
+    """Every class declared with ``register_vision_encoder``."""
+    return list(_REGISTRY)
+
+
 def is_vision_encoder_class(cls: type) -> bool:
     """True for classes declared with ``register_vision_encoder`` (and their subclasses)."""
     return any(base in _REGISTRY for base in cls.__mro__)
 
 
+def is_balanced_in_place(module: nn.Module) -> bool:
+    """True when ``enable_vit_balance`` replaced ``module``'s forward (it balances every call)."""
+    return "_vitbal_original_forward" in vars(module)
+
+
 def _is_registered(module: nn.Module) -> bool:
-    return is_vision_encoder_class(type(module))
+    return is_vision_encoder_class(type(unwrap_module(module)))

@@ -14,8 +14,8 @@ Shape suffixes: ``_R`` per rank, ``_U`` per local unit.
 """
 
 import dataclasses
+import itertools
 import json
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -25,7 +25,7 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import CostModel, cost_from_spec, cost_to_spec
 from fx_vitbal.planner import Plan, solve_plan
 
-log = logging.getLogger(__name__)
+_plan_calls = itertools.count(1)  # the step number --dp-balance-verbose prints
 
 # Dtypes a pixel tensor may have; the index is what travels in the metadata header.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -154,21 +154,25 @@ def plan_units(
     costs = [[memo[u] for u in units] for units in units_R]
     tokens = [[t * h * w for t, h, w in units] for units in units_R]
     plan = solve_plan(costs, tokens, config=config)
+    step = next(_plan_calls)
     if config.verbose and rank == 0:
-        log.info(
-            "vit dp balance: %s imbalance %.3f -> %.3f, max/min load %.3g/%.3g -> %.3g/%.3g, "
-            "moved %d of %d rows",
-            plan.reason,
-            plan.imbalance_before,
-            plan.imbalance_after,
-            max(plan.loads_before),
-            min(plan.loads_before),
-            max(plan.loads_after),
-            min(plan.loads_after),
-            plan.moved_tokens,
-            sum(map(sum, tokens)),
-        )
+        print(describe_plan(plan, step, sum(map(sum, tokens))), flush=True)
     return plan, units_R
+
+
+def describe_plan(plan: Plan, step: int, total_rows: int) -> str:
+    """The ``--dp-balance-verbose`` line: decision, imbalance, the heaviest and lightest rank's
+    load relative to the mean load, and the pixel rows moved."""
+    mean = sum(plan.loads_before) / len(plan.loads_before)
+    if not mean:
+        return f"[vit dp balance] step {step}: {plan.reason}, no images on any rank"
+    before = f"max {max(plan.loads_before) / mean:.2f} min {min(plan.loads_before) / mean:.2f}"
+    after = f"max {max(plan.loads_after) / mean:.2f} min {min(plan.loads_after) / mean:.2f}"
+    return (
+        f"[vit dp balance] step {step}: {plan.reason}, imbalance {plan.imbalance_before:.3f} -> "
+        f"{plan.imbalance_after:.3f}, load/mean {before} -> {after}, moved {plan.moved_tokens} of "
+        f"{total_rows} rows ({plan.moved_tokens / max(total_rows, 1):.1%})"
+    )
 
 
 def local_routing(
@@ -205,6 +209,73 @@ def with_dummy(xs: Sequence[torch.Tensor], rows: int, add: bool) -> list[torch.T
     if add:
         return [torch.cat([x, x.new_zeros(rows, *x.shape[1:])]) for x in xs]
     return [x[: x.shape[0] - rows] for x in xs]
+
+
+def as_blocks(x: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """``x`` as one row per merge block, ``[rows / block_rows, block_rows * row numel]`` (a view
+    when ``x`` is contiguous): pre-merger and merged outputs then line up unit by unit."""
+    if block_rows < 1 or x.shape[0] % block_rows:
+        raise ValueError(f"{tuple(x.shape)} cannot be cut into blocks of {block_rows} rows")
+    return x.reshape(x.shape[0] // block_rows, block_rows * _row_numel(x))
+
+
+def from_blocks(blocks: torch.Tensor, like: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """Inverse of ``as_blocks``: rows of ``like``'s trailing shape."""
+    return blocks.reshape(blocks.shape[0] * block_rows, *like.shape[1:])
+
+
+# Outputs whose layouts one rank reports to the others in ``check_output_layouts``.
+MAX_OUTPUTS = 16
+
+
+def check_output_layouts(
+    xs: Sequence[torch.Tensor], block_rows: Sequence[int], blocks: int, group: dist.ProcessGroup
+) -> None:
+    """Raise the same ``ValueError`` on every rank unless every rank's ViT outputs have rows
+    that fit their layout (``blocks * block_rows[i]``) and all ranks agree on each output's
+    layout, dtype and row width (one small gather of a fixed-size header).
+
+    Raises:
+        ValueError: on every rank, naming each rank and output at fault.
+    """
+    world = dist.get_world_size(group)
+    header = [len(xs)]
+    for x, n in list(zip(xs, block_rows, strict=True))[:MAX_OUTPUTS]:
+        fits = n > 0 and x.shape[0] == blocks * n
+        dtype = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+        header += [n if fits else -x.shape[0] - 1, dtype, _row_numel(x)]
+    header += [0] * (1 + 3 * MAX_OUTPUTS - len(header))
+    device = _meta_device(group)
+    gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
+    local = torch.tensor(header, dtype=torch.int64, device=device)
+    dist.all_gather_single(gathered, local, group)
+    headers = gathered.view(world, len(header)).tolist()
+    problems = []
+    for r, h in enumerate(headers):
+        if h[0] > MAX_OUTPUTS:
+            problems.append(f"rank {r}: {h[0]} ViT outputs, at most {MAX_OUTPUTS} can be restored")
+        for i in range(min(h[0], MAX_OUTPUTS)):
+            if h[1 + 3 * i] < 0:
+                problems.append(
+                    f"rank {r}: ViT output {i} has {-h[1 + 3 * i] - 1} rows; expected t*h*w "
+                    "(pre-merger) or t*h*w/merge**2 (merged) rows summed over the units"
+                )
+    if not problems and len({tuple(h) for h in headers}) > 1:
+        problems = [
+            f"rank {r}: outputs (layout, dtype, row width) {_layouts(h)}"
+            for r, h in enumerate(headers)
+        ]
+        problems.insert(0, "ranks disagree on the ViT's outputs")
+    if problems:
+        raise ValueError("vit dp balance: bad ViT output; " + "; ".join(problems))
+
+
+def _layouts(header: list[int]) -> list[tuple[str, str, int]]:
+    names = [str(d).removeprefix("torch.") for d in _DTYPES] + ["other"]
+    return [
+        ("pre-merger" if n > 1 else "merged", names[dtype], numel)
+        for n, dtype, numel in zip(header[1::3], header[2::3], header[3::3], strict=True)
+    ][: header[0]]
 
 
 def exchange(

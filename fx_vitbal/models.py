@@ -11,7 +11,10 @@ grid_thw towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), so this stand-in reproduces th
   ``[t, h, w]`` gives exactly the outputs of ``t`` rows ``[1, h, w]``.
 - With windows the tower returns its output in window order plus ``window_index``, like Megatron's
   Qwen2.5-VL ViT; the parent un-permutes. Qwen3-VL deepstack outputs come back as a list.
-- Each output has ``t*h*w / m**2`` rows per image.
+- By default (LoongForge's layout) the tower returns its last block's output **before** the
+  patch merger, ``t*h*w`` rows per image, and deepstack features already merged, ``t*h*w / m**2``
+  rows; the parent un-permutes and merges/projects after the balancer has moved rows home. With
+  ``ViTConfig(merged_output=True)`` the tower merges itself (Hugging Face's ``pooler_output``).
 
 The tower has two attention paths with the same math. Eager loops over segments with one
 ``scaled_dot_product_attention`` per segment, so its cost per image grows with that image's own
@@ -20,8 +23,9 @@ with a block-diagonal mask built from tensor ops only, so the no-window tower tr
 ``fullgraph=True`` even when the row count is an unbacked size.
 
 ``OmniEncoderModel`` is the parent: it calls ``self.visual`` once as a plain module call (the
-balancer intercepts that call or swaps the module), scatters the image embeddings into the image
-placeholder tokens and adds deepstack features after the first LM blocks. Its forward is traceable
+balancer intercepts that call or swaps the module), un-permutes windows, merges pre-merger rows
+with its ``projector``, scatters the image embeddings into the image placeholder tokens and adds
+deepstack features after the first LM blocks. Its forward is traceable
 by ``torch.fx`` with the tower as a leaf, and by dynamo without windows.
 """
 
@@ -57,7 +61,8 @@ class ViTConfig:
     ``window_size`` is the window side in merged tokens (Qwen2.5-VL: 112 / 14 / 2 = 4); ``None``
     means every block attends per frame. ``fullatt_block_indexes`` lists the blocks that still
     attend per frame when windows are on. ``deepstack_indexes`` lists the blocks whose output
-    feeds its own merger (Qwen3-VL deepstack).
+    feeds its own merger (Qwen3-VL deepstack). ``merged_output`` moves the final patch merger
+    into the tower (its first output then has ``t*h*w / m**2`` rows, not ``t*h*w``).
     """
 
     in_dim: int = 24
@@ -70,6 +75,7 @@ class ViTConfig:
     window_size: int | None = None
     fullatt_block_indexes: tuple[int, ...] = ()
     deepstack_indexes: tuple[int, ...] = ()
+    merged_output: bool = False
 
     def __post_init__(self) -> None:
         # A list would make the frozen config unhashable and let callers mutate it later.
@@ -227,10 +233,11 @@ class QwenStyleViT(nn.Module):
     """A tiny vision tower with the row layout, attention segments and outputs of Qwen2/2.5/3-VL.
 
     ``forward(pixel_values, image_grid_thw)`` returns ``(pixel_embeds, window_index, deepstack)``:
-    ``pixel_embeds`` is ``[N / m**2, out_dim]``; with windows it is in window order and
-    ``window_index`` is the merged-token permutation (un-permute with ``argsort(window_index)``),
-    otherwise it is in input order and ``window_index`` is ``None``. ``deepstack`` holds one
-    ``[N / m**2, out_dim]`` tensor per ``config.deepstack_indexes`` entry, in the same row order.
+    ``pixel_embeds`` is ``[N, hidden]`` before the merger (``[N / m**2, out_dim]`` with
+    ``merged_output``); with windows it is in window order, whole merge blocks of ``m**2`` rows
+    permuted by ``window_index`` (un-permute with ``argsort(window_index)``), otherwise it is in
+    input order and ``window_index`` is ``None``. ``deepstack`` holds one ``[N / m**2, out_dim]``
+    tensor per ``config.deepstack_indexes`` entry, in the same order.
     """
 
     def __init__(self, config: ViTConfig) -> None:
@@ -240,7 +247,8 @@ class QwenStyleViT(nn.Module):
         self.patch_embed = nn.Linear(config.in_dim, config.hidden)
         self.blocks = nn.ModuleList(_VisionBlock(config) for _ in range(config.depth))
         m = config.spatial_merge_size
-        self.merger = _Merger(config.hidden, m, config.out_dim)
+        if config.merged_output:
+            self.merger = _Merger(config.hidden, m, config.out_dim)
         self.deepstack_mergers = nn.ModuleList(
             _Merger(config.hidden, m, config.out_dim) for _ in config.deepstack_indexes
         )
@@ -325,7 +333,7 @@ class QwenStyleViT(nn.Module):
             if i in self.config.deepstack_indexes:
                 merger = self.deepstack_mergers[self.config.deepstack_indexes.index(i)]
                 deepstack.append(merger(x))
-        return self.merger(x), window_index, deepstack
+        return self.merger(x) if self.config.merged_output else x, window_index, deepstack
 
 
 class _DecoderBlock(_PreNormBlock):
@@ -360,6 +368,10 @@ class OmniEncoderModel(nn.Module):
         self.lm_config = lm_config
         # The attribute name matters: the balancer finds the tower as `visual`.
         self.visual = QwenStyleViT(vit_config)
+        if not vit_config.merged_output:  # the tower returns pre-merger rows: merge them here
+            self.projector = _Merger(
+                vit_config.hidden, vit_config.spatial_merge_size, lm_config.hidden
+            )
         self.embed = nn.Embedding(lm_config.vocab_size, lm_config.hidden)
         self.layers = nn.ModuleList(_DecoderBlock(lm_config) for _ in range(lm_config.num_layers))
         self.norm = nn.LayerNorm(lm_config.hidden)
@@ -373,12 +385,16 @@ class OmniEncoderModel(nn.Module):
         vis = self.visual(pixel_values, image_grid_thw)
         # Index the tuple instead of unpacking, and take sizes from the static config, so that
         # torch.fx can trace this with the tower as a leaf (its output is then one Proxy).
+        config = self.vit_config
         embeds = vis[0]
-        deepstack = [vis[2][k] for k in range(len(self.vit_config.deepstack_indexes))]
-        if self.vit_config.window_size is not None:
+        deepstack = [vis[2][k] for k in range(len(config.deepstack_indexes))]
+        if config.window_size is not None:
             reverse = torch.argsort(vis[1])
-            embeds = embeds[reverse]
+            m = 1 if config.merged_output else config.spatial_merge_size
+            embeds = _gather_blocks(embeds, reverse, m)
             deepstack = [d[reverse] for d in deepstack]
+        if not config.merged_output:
+            embeds = self.projector(embeds)
         return embeds, deepstack
 
     def forward(self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
@@ -447,7 +463,7 @@ def _architecture_cost(vit: QwenStyleViT) -> ArchitectureCost:
         full_attention_layers=len(config.fullatt_block_indexes) if windowed else None,
         window_patches=(config.window_size * config.spatial_merge_size) ** 2 if windowed else None,
         per_frame=True,
-        num_mergers=1 + len(config.deepstack_indexes),
+        num_mergers=int(config.merged_output) + len(config.deepstack_indexes),
     )
 
 

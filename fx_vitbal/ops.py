@@ -22,11 +22,15 @@ Conventions (each one fixes a failure seen on torch 2.13):
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from fx_vitbal.exchange import (
     Routing,
+    as_blocks,
     balanced_grid,
+    check_output_layouts,
     exchange,
+    from_blocks,
     gather_grids,
     local_routing,
     plan_units,
@@ -90,65 +94,111 @@ def _(pixel_values, grid_thw, merge_size, planner, world_size, group_name):
 def redistribute(
     xs: list[torch.Tensor],
     routing: torch.Tensor,
-    shrink: int,
-    min_rows: int,
-    out_rows: int | None,
+    merge_area: int,
+    block_rows: list[int],
+    out_blocks: int | None,
     group_name: str,
 ) -> list[torch.Tensor]:
     """Send each local unit's rows to the rank computing it; returns the balanced tensors.
 
-    ``shrink`` divides pixel rows into the tensors' rows (1 for pixels, merge_size**2 for merged
-    outputs). ``min_rows`` is a true lower bound on the result's rows (the dummy unit's rows),
-    declared to the compiler. ``out_rows`` is only known in backward graphs, where it is the
-    forward's input rows.
+    Tensors move in whole merge blocks (``merge_area`` pixel rows each): ``block_rows[i]`` is how
+    many rows of ``xs[i]`` make one block (``merge_area`` for pixels and pre-merger outputs, 1 for
+    merged outputs). ``out_blocks`` is only known in backward graphs (the forward's input
+    blocks); otherwise the result has a fresh data-dependent size of at least one block (every
+    rank computes at least the dummy unit).
     """
-    return _move(xs, routing, shrink, False, group_name)
+    return _move(xs, routing, merge_area, block_rows, False, group_name)
 
 
 @redistribute.register_fake
-def _(xs, routing, shrink, min_rows, out_rows, group_name):
-    if out_rows is None:
-        out_rows = torch.library.get_ctx().new_dynamic_size(min=min_rows)
-    return [x.new_empty(out_rows, *x.shape[1:]) for x in xs]
+def _(xs, routing, merge_area, block_rows, out_blocks, group_name):
+    if out_blocks is not None:
+        return [
+            x.new_empty(out_blocks * n, *x.shape[1:]) for x, n in zip(xs, block_rows, strict=True)
+        ]
+    # Forward: one fresh row count, not ``blocks * n``. A product would reach a ViT marked as a
+    # nested_compile_region as an expression in place of its size symbol, which AOTAutograd's
+    # partitioner of the region rejects ("Node ... was invalid, but is output").
+    if len(set(block_rows)) != 1:
+        raise ValueError(f"tensors redistributed together must share a layout, got {block_rows}")
+    rows = torch.library.get_ctx().new_dynamic_size(min=block_rows[0])
+    return [x.new_empty(rows, *x.shape[1:]) for x in xs]
 
 
 @torch.library.custom_op("vitbal::restore", mutates_args=())
 def restore(
     xs: list[torch.Tensor],
     routing: torch.Tensor,
-    shrink: int,
-    out_rows: int,
+    merge_area: int,
+    block_rows: list[int],
+    out_blocks: int,
     group_name: str,
 ) -> list[torch.Tensor]:
-    """Send computed rows back to each unit's home rank and original position."""
-    return _move(xs, routing, shrink, True, group_name)
+    """Send computed rows back to each unit's home rank and original position.
+
+    ``block_rows`` as in ``redistribute`` (``output_block_rows`` reads it from the ViT's outputs);
+    ``out_blocks`` is the home rank's merge blocks (its pixel rows / ``merge_area``). Before
+    moving anything, every rank checks every rank's row layouts (one small gather), so a ViT
+    output of the wrong size raises the same ``ValueError`` everywhere instead of a hang.
+    """
+    return _move(xs, routing, merge_area, block_rows, True, group_name)
 
 
 @restore.register_fake
-def _(xs, routing, shrink, out_rows, group_name):
-    return [x.new_empty(out_rows, *x.shape[1:]) for x in xs]
+def _(xs, routing, merge_area, block_rows, out_blocks, group_name):
+    return [x.new_empty(out_blocks * n, *x.shape[1:]) for x, n in zip(xs, block_rows, strict=True)]
 
 
-def _move(xs, routing, shrink, reverse, group_name):
-    if not xs:
-        raise ValueError("vitbal moves need at least one tensor")
-    if len({x.shape[0] for x in xs}) != 1:
-        raise ValueError(f"tensors moved together must share rows, got {[x.shape for x in xs]}")
+def output_block_rows(xs: list[torch.Tensor], pixel_rows: int, merge_area: int) -> list[int]:
+    """Rows per merge block of each ViT output computed from ``pixel_rows`` pixel rows:
+    ``merge_area`` for the pre-merger layout (``t*h*w`` rows per unit), 1 for the merged layout
+    (``t*h*w / merge_area``), 0 for neither (``restore`` then raises on every rank).
+
+    Works on symbolic sizes without adding guards where the relation is provable, so a compiled
+    graph keeps one layout for every batch.
+    """
+    layouts = []
+    for x in xs:
+        rows = x.shape[0]
+        if guard_or_false(rows == pixel_rows):
+            layouts.append(merge_area)
+        elif guard_or_false(rows == pixel_rows // merge_area):
+            layouts.append(1)
+        else:
+            layouts.append(0)
+    return layouts
+
+
+def _move(xs, routing, merge_area, block_rows, reverse, group_name):
+    if not xs or len(xs) != len(block_rows):
+        raise ValueError(f"vitbal moves need one block_rows entry per tensor, got {block_rows}")
     route = Routing.from_tensor(routing)
-    dummy = route.dummy_rows // shrink
+    group = resolve_group(group_name)
+    dummy = route.dummy_rows // merge_area
+    if reverse and route.applied:
+        blocks = (sum(route.recv_rows) + route.dummy_rows) // merge_area
+        check_output_layouts(xs, block_rows, blocks, group)
+    blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     if reverse:
-        xs = with_dummy(xs, dummy, add=False)
+        blocks_xs = with_dummy(blocks_xs, dummy, add=False)
     if route.applied:
-        xs = exchange(xs, route, shrink, reverse, resolve_group(group_name))
+        blocks_xs = exchange(blocks_xs, route, merge_area, reverse, group)
     else:  # every rank agrees (the plan is global): nothing to send anywhere
-        xs = [x.clone() for x in xs]
-    return xs if reverse else with_dummy(xs, dummy, add=True)
+        blocks_xs = [x.clone() for x in blocks_xs]
+    if not reverse:
+        blocks_xs = with_dummy(blocks_xs, dummy, add=True)
+    return [from_blocks(b, x, n) for b, x, n in zip(blocks_xs, xs, block_rows, strict=True)]
 
 
 def _setup_context(ctx, inputs, output):
-    xs, routing, shrink, group_name = inputs[0], inputs[1], inputs[2], inputs[-1]
-    ctx.routing, ctx.shrink, ctx.group_name = routing, shrink, group_name
-    ctx.in_rows = xs[0].shape[0]
+    xs, routing, merge_area, block_rows, _, group_name = inputs
+    ctx.routing, ctx.merge_area, ctx.block_rows, ctx.group_name = (
+        routing,
+        merge_area,
+        block_rows,
+        group_name,
+    )
+    ctx.in_blocks = xs[0].shape[0] // block_rows[0]
     ctx.out_like = [torch.empty_like(o, device="meta") for o in output]
     ctx.devices = [o.device for o in output]
 
@@ -162,15 +212,27 @@ def _gradients(ctx, grads):
 
 
 def _redistribute_backward(ctx, grads):
-    moved = restore(_gradients(ctx, grads), ctx.routing, ctx.shrink, ctx.in_rows, ctx.group_name)
+    moved = restore(
+        _gradients(ctx, grads),
+        ctx.routing,
+        ctx.merge_area,
+        ctx.block_rows,
+        ctx.in_blocks,
+        ctx.group_name,
+    )
     return moved, None, None, None, None, None
 
 
 def _restore_backward(ctx, grads):
     moved = redistribute(
-        _gradients(ctx, grads), ctx.routing, ctx.shrink, 0, ctx.in_rows, ctx.group_name
+        _gradients(ctx, grads),
+        ctx.routing,
+        ctx.merge_area,
+        ctx.block_rows,
+        ctx.in_blocks,
+        ctx.group_name,
     )
-    return moved, None, None, None, None
+    return moved, None, None, None, None, None
 
 
 redistribute.register_autograd(_redistribute_backward, setup_context=_setup_context)

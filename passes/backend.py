@@ -18,13 +18,18 @@ fall back to running the frame eagerly, and a graph this backend rewrote would t
 balancing while still giving plausible results. The backend raises instead.
 """
 
+import inspect
 import logging
+import re
+import sys
 
 import torch
 from torch import fx
 
+from fx_vitbal import encoder
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.encoder import is_vision_encoder_class
+from fx_vitbal.encoder import registered_vision_encoders
+from fx_vitbal.integrations import hf
 from fx_vitbal.passes.vit_balance import apply_vit_balance_pass
 
 log = logging.getLogger(__name__)
@@ -97,19 +102,53 @@ def _count_ops(gm: fx.GraphModule) -> int:
 
 
 def _refuse_unbalanced_vit(gm: fx.GraphModule) -> None:
-    """Raise if dynamo inlined a registered ViT through its ``__call__`` with no balancing.
+    """Raise if dynamo compiled a known ViT outside the in-place wrappers: the ``forward`` of a
+    registered class, or a Hugging Face parent's ``get_image_features`` / ``get_video_features``
+    for a supported tower (a wrapped parent never calls them; its towers graph-break inside, so
+    their own frames cannot be told apart).
 
-    ``enable_vit_balance`` calls the ViT's original ``forward`` directly, so a wrapped ViT never
-    shows up as a module-stack entry of its own class; an entry means the call was not balanced.
+    Nodes are attributed by their stack traces: a frame's own module never appears in its module
+    stack. The wrappers run the ViT from ``fx_vitbal/encoder.py`` or ``integrations/hf.py``, so
+    a node with such a frame and neither file was never wrapped. (ViTs nobody registered cannot
+    be recognized, and are not refused.)
     """
+    wrappers = (encoder.__file__, hf.__file__)
+    forwards, hf_files = _vit_code()
     for node in gm.graph.nodes:
-        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
-            if isinstance(cls, type) and is_vision_encoder_class(cls):
+        trace = node.meta.get("stack_trace") or ""
+        if not trace or any(file in trace for file in wrappers):
+            continue
+        for file, line, function in _FRAME.findall(trace):
+            name = next((n for f, a, b, n in forwards if f == file and a <= int(line) <= b), None)
+            if name is None and file in hf_files and "_features" in function:
+                name = f"{hf_files[file]} (through {function})"
+            if name is not None:
                 raise RuntimeError(
-                    f"vitbal: the vision encoder {cls.__qualname__} at {path} was compiled without "
-                    "balancing; wrap the model with fx_vitbal.enable_vit_balance(model) first, or "
-                    "compile an FX graph rewritten by apply_vit_balance_pass"
+                    f"vitbal: the vision encoder {name} was compiled without balancing; wrap the "
+                    "model with fx_vitbal.enable_vit_balance(model) first, or compile an FX graph "
+                    "rewritten by apply_vit_balance_pass"
                 )
+
+
+_FRAME = re.compile(r'File "(.+?)", line (\d+), in (\w+)')
+
+
+def _vit_code() -> tuple[list[tuple[str, int, int, str]], dict[str, str]]:
+    """``(file, first line, last line, class name)`` of each registered ViT's ``forward``, and
+    the modeling files of the supported Hugging Face towers imported so far (file -> class)."""
+    forwards = []
+    for cls in registered_vision_encoders():
+        forward = inspect.unwrap(cls.forward)
+        lines, first = inspect.getsourcelines(forward)
+        last = first + len(lines) - 1
+        forwards.append((inspect.getsourcefile(forward), first, last, cls.__qualname__))
+    hf_files = {}
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("transformers.models."):
+            for name in hf.SUPPORTED_TOWERS:
+                if hasattr(module, name):
+                    hf_files[inspect.getsourcefile(getattr(module, name))] = name
+    return forwards, hf_files
 
 
 def _require_dynamic_output_shapes(example_inputs) -> None:

@@ -14,6 +14,9 @@ which this rewrites into::
                           sym_size(grid_b, 0), grid_b, *params)
     embeds, deep0 = vitbal.restore([out[0], out[1]], routing, ...)
 
+Each output's row layout (pre-merger or merged) is read from its traced size against the pixels'
+and fixed in the graph.
+
 The region must have been traced with data-dependent batch sizes (``mark_unbacked`` on the
 pixel and grid batch dims): sizes specialized to the local batch would be wrong for the balanced
 one. Operands are recognized by kind: the one floating-point non-parameter tensor (pixels), the
@@ -26,6 +29,7 @@ import torch
 from torch import fx, nn
 
 from fx_vitbal.encoder import is_vision_encoder_class
+from fx_vitbal.ops import output_block_rows
 
 _PLAN = torch.ops.vitbal.plan.default
 _REDISTRIBUTE = torch.ops.vitbal.redistribute.default
@@ -47,7 +51,8 @@ def insert_plan_and_redistribute(
     plan = graph.call_function(_PLAN, (pixels, grid, merge, planner, world_size, group_name))
     grid_b = graph.call_function(operator.getitem, (plan, 0))
     routing = graph.call_function(operator.getitem, (plan, 1))
-    moved = graph.call_function(_REDISTRIBUTE, ([pixels], routing, 1, merge**2, None, group_name))
+    area = merge * merge
+    moved = graph.call_function(_REDISTRIBUTE, ([pixels], routing, area, [area], None, group_name))
     return graph.call_function(operator.getitem, (moved, 0)), grid_b, routing
 
 
@@ -99,11 +104,16 @@ def rewrite_subgraph_call(
     node.args = node.args[:2] + tuple(
         replaced.get(a) or sizes.get(_symbol_of_operand(a), a) for a in operands
     )
+    area = merge * merge
+    pixel_rows = pixels.meta["example_value"].shape[0]
+    layouts = output_block_rows([out.meta["example_value"] for out in outputs], pixel_rows, area)
     with graph.inserting_before(outputs[-1].next):  # new nodes land in creation order
-        rows = graph.call_function(
-            operator.floordiv, (graph.call_function(_SYM_SIZE, (pixels, 0)), merge**2)
+        blocks = graph.call_function(
+            operator.floordiv, (graph.call_function(_SYM_SIZE, (pixels, 0)), area)
         )
-        restored = graph.call_function(_RESTORE, (outputs, routing, merge**2, rows, group_name))
+        restored = graph.call_function(
+            _RESTORE, (outputs, routing, area, layouts, blocks, group_name)
+        )
         items = [graph.call_function(operator.getitem, (restored, i)) for i in range(len(outputs))]
     for out, item in zip(outputs, items, strict=True):
         out.replace_all_uses_with(item, delete_user_cb=lambda user: user is not restored)

@@ -18,7 +18,15 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.encoder import find_vit, group_name_and_size, planner_for, regenerate_window_index
+from fx_vitbal.encoder import (
+    find_vit,
+    group_name_and_size,
+    is_balanced_in_place,
+    planner_for,
+    regenerate_window_index,
+    unwrap_module,
+)
+from fx_vitbal.ops import output_block_rows
 from fx_vitbal.passes.subgraph import (
     insert_plan_and_redistribute,
     rewrite_subgraph_call,
@@ -44,7 +52,12 @@ class ViTLeafTracer(fx.Tracer):
 
 def symbolic_trace(model: nn.Module, *, vit: str | nn.Module | None = None) -> fx.GraphModule:
     """``torch.fx.symbolic_trace`` keeping the ViT (found as ``enable_vit_balance`` finds it) as
-    one ``call_module`` leaf, ready for ``apply_vit_balance_pass``."""
+    one ``call_module`` leaf, ready for ``apply_vit_balance_pass``.
+
+    Wrappers around ``model`` (DDP, FSDP1, ``torch.compile``) cannot be traced: the graph is the
+    module inside them; wrap the returned ``GraphModule`` again. A wrapper around the ViT
+    (``checkpoint_wrapper``, FSDP1) stays in the graph as the leaf."""
+    model = unwrap_module(model)
     tracer = ViTLeafTracer(find_vit(model, vit))
     graph = tracer.trace(model)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -70,15 +83,18 @@ def apply_vit_balance_pass(
         vis = visual(pixel_values, image_grid_thw)
         embeds, window, deep0 = vis[0], vis[1], vis[2][0]
 
-    After::
+    After (``area = merge**2``)::
 
         grid_b, routing = vitbal.plan(pixel_values, image_grid_thw, merge, planner, world, group)
-        pixels_b = vitbal.redistribute([pixel_values], routing, 1, merge**2, None, group)[0]
+        pixels_b = vitbal.redistribute([pixel_values], routing, area, [area], None, group)[0]
         vis = visual(pixels_b, grid_b)
-        embeds, deep0 = vitbal.restore([vis[0], vis[2][0]], routing, merge**2, rows, group)
+        layouts = output_block_rows([vis[0], vis[2][0]], pixels_b.size(0), area)
+        embeds, deep0 = vitbal.restore([vis[0], vis[2][0]], routing, area, layouts, blocks, group)
         window = regenerate_window_index(visual, image_grid_thw)
 
-    Only the deepstack items the graph reads are moved back.
+    Only the deepstack items the graph reads are moved back; ``layouts`` reads each output's row
+    layout (pre-merger or merged) when the graph runs or is traced. A ViT balanced in place by
+    ``enable_vit_balance`` already balances its own calls and is left alone.
 
     Args:
         vit: the ViT module, or its qualified name in ``gm`` (default: found like
@@ -106,6 +122,9 @@ def apply_vit_balance_pass(
         for n in gm.graph.nodes
         if n.op == "call_module" and n.target == target and not _already_balanced(n)
     ]
+    if calls and is_balanced_in_place(gm.get_submodule(target)):
+        log.debug("apply_vit_balance_pass: %s is balanced in place already", target)
+        calls = []
     if calls:
         module = gm.get_submodule(target)
         planner, merge = planner_for(module, config)
@@ -150,7 +169,7 @@ def _already_balanced(node: fx.Node) -> bool:
 def _rewrite(gm, node, module, planner, merge, group_name, world_size) -> None:
     graph = gm.graph
     uses = _index_users(node)
-    bound = inspect.signature(module.forward).bind(*node.args, **node.kwargs)
+    bound = inspect.signature(unwrap_module(module).forward).bind(*node.args, **node.kwargs)
     pixels_name, grid_name = list(bound.arguments)[:2]
     pixels, grid = bound.arguments[pixels_name], bound.arguments[grid_name]
     with graph.inserting_before(node):
@@ -167,10 +186,15 @@ def _rewrite(gm, node, module, planner, merge, group_name, world_size) -> None:
         if deep_keys:
             deep = graph.call_function(operator.getitem, (node, 2))
             items += [graph.call_function(operator.getitem, (deep, k)) for _, k in deep_keys]
-        rows = graph.call_function(
-            operator.floordiv, (graph.call_method("size", (pixels, 0)), merge**2)
+        area = merge * merge
+        rows_b = graph.call_method("size", (pixels_b, 0))
+        layouts = graph.call_function(output_block_rows, (items, rows_b, area))
+        blocks = graph.call_function(
+            operator.floordiv, (graph.call_method("size", (pixels, 0)), area)
         )
-        restored = graph.call_function(_RESTORE, (items, routing, merge**2, rows, group_name))
+        restored = graph.call_function(
+            _RESTORE, (items, routing, area, layouts, blocks, group_name)
+        )
         new = {
             key: graph.call_function(operator.getitem, (restored, i))
             for i, key in enumerate([(0,), *deep_keys])

@@ -68,8 +68,11 @@ def assert_units_moved(results) -> None:
     assert any(sum(res["moves"]) for res in results), "no unit moved: a passthrough also matches"
 
 
-def train_step(model, grids, rank: int, *, in_dim: int = 24, unbacked: bool = False):
-    """One step of the reference model on ``make_inputs(grids)``: ``(logits, all-reduced grads)``.
+def train_step(
+    model, grids, rank: int, *, in_dim: int = 24, unbacked: bool = False, reduce_grads: bool = True
+):
+    """One step of the reference model on ``make_inputs(grids)``: ``(logits, all-reduced grads)``,
+    or only the logits with ``reduce_grads=False`` (the gradients stay in ``.grad``).
 
     ``unbacked`` marks the batch dims so one compiled graph serves every image count.
     """
@@ -82,6 +85,8 @@ def train_step(model, grids, rank: int, *, in_dim: int = 24, unbacked: bool = Fa
         torch._dynamo.mark_dynamic(input_ids, 0)
     logits = model(input_ids, pixels, grid)
     logits.pow(2).mean().backward()
+    if not reduce_grads:
+        return logits.detach()
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])
     dist.all_reduce(grads)
     model.zero_grad(set_to_none=True)

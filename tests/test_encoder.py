@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import fx_vitbal
-from fx_vitbal.encoder import VisionEncoderSpec, find_vit, vision_encoder_spec
+from fx_vitbal.encoder import UNDECLARED, VisionEncoderSpec, find_vit, vision_encoder_spec
 from fx_vitbal.models import LMConfig, OmniEncoderModel, QwenStyleViT, ViTConfig, make_inputs
 
 
@@ -37,9 +37,9 @@ def test_no_vit_found_raises_value_error_naming_the_ways_to_declare_one():
         find_vit(_Holder("head", nn.Linear(2, 2)))
 
 
-def test_unregistered_class_has_no_spec():
-    with pytest.raises(TypeError, match="register_vision_encoder"):
-        vision_encoder_spec(nn.Linear(2, 2))
+def test_unregistered_class_gets_the_undeclared_spec_and_registration_is_validated():
+    assert vision_encoder_spec(nn.Linear(2, 2)) is UNDECLARED
+    assert not UNDECLARED.frame_independent and UNDECLARED.cost_model is None
     with pytest.raises(ValueError, match="spatial_merge_size"):
         fx_vitbal.register_vision_encoder(nn.Linear, frame_independent=False, spatial_merge_size=0)
 

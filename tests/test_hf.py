@@ -11,10 +11,12 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import assert_units_moved, record_moves, run_ranks
+from torch.nn.parallel import DistributedDataParallel
 
 transformers = pytest.importorskip("transformers")
 
+import fx_vitbal  # noqa: E402
 from fx_vitbal.config import BalanceConfig  # noqa: E402
 from fx_vitbal.cost import ArchitectureCost  # noqa: E402
 from fx_vitbal.exchange import parse_planner_spec  # noqa: E402
@@ -197,12 +199,21 @@ def _parents_balanced_vs_local(rank: int, world: int, families: list) -> dict:
             for b in batches
         ]
         results[family] = {
+            "width": _pixel_width(tower),
             "reference": reference,
             "balanced": balanced,
             "computed_rows": computed_rows,
             "local_rows": local_rows,
             "same_keys": keys == list(model.state_dict()),
         }
+    # The same through DDP (and a balancing group of its own): the wrapper is seen through.
+    family = families[0]
+    ddp = DistributedDataParallel(build_parent(family))
+    fx_vitbal.enable_vit_balance(ddp, group=dist.new_group())
+    batches = [make_batch(family, rank, s, results[family]["width"]) for s in range(len(STEPS))]
+    with record_moves() as moves:
+        results["ddp"] = {"balanced": [_train_step(ddp, batch) for batch in batches]}
+    results["ddp"]["moves"] = moves
     return results
 
 
@@ -224,6 +235,13 @@ def test_parents_balanced_equal_unbalanced_logits_and_gradients():
         # at step 1 the text-only rank computed some of rank 0's images (not just the 4-row dummy).
         assert rows[1][0] > local[1][0], (family, rows, local)
         assert rows[1][1] > 4 and rows[0][1] < local[0][1], (family, rows, local)
+    for rank, res in enumerate(results):  # DDP(model): DDP's mean gradients, all-reduced
+        want = res[families[0]]["reference"]
+        for step, (got, wanted) in enumerate(zip(res["ddp"]["balanced"], want, strict=True)):
+            msg = f"ddp rank {rank} step {step}"
+            torch.testing.assert_close(got[0], wanted[0], rtol=1e-5, atol=1e-5, msg=msg)
+            torch.testing.assert_close(got[1], wanted[1], rtol=1e-5, atol=1e-5, msg=msg)
+    assert_units_moved([res["ddp"] for res in results])
 
 
 SIBLINGS = {
@@ -393,3 +411,16 @@ def test_is_hf_model_does_not_import_transformers():
         "assert 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_vitbal_backend_refuses_an_unwrapped_hf_vlm_and_compiles_a_wrapped_one():
+    model = build_parent("qwen2_vl")
+    batch = make_batch("qwen2_vl", 0, 0, _pixel_width(model.get_encoder(modality="image")))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="vitbal", options={"inner": "eager"})
+    with pytest.raises(Exception, match="Qwen2VisionTransformer.* compiled without balancing"):
+        compiled(**batch)
+    torch._dynamo.reset()
+    fx_vitbal.enable_vit_balance(model)  # one process: a plain call, but a wrapped one
+    compiled = torch.compile(model, backend="vitbal", options={"inner": "eager"})
+    torch.testing.assert_close(compiled(**batch).logits, model(**batch).logits)

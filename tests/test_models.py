@@ -1,6 +1,7 @@
 """Tests for the reference models: the properties the balancer relies on (row rules, per-image and
 per-frame independence, window order) and the traceability its FX pass and dynamo path need."""
 
+import dataclasses
 import re
 
 import pytest
@@ -34,13 +35,14 @@ def pixels(grids: list[list[int]], dtype=torch.float64, seed: int = 0):
 
 
 def in_input_order(out: tuple) -> list[torch.Tensor]:
-    """pixel_embeds and deepstack tensors, un-permuted when the tower used windows."""
+    """pixel_embeds and deepstack tensors, un-permuted (by whole merge blocks) when the tower
+    used windows."""
     embeds, window_index, deepstack = out
     rows = [embeds, *deepstack]
     if window_index is None:
         return rows
     reverse = torch.argsort(window_index)
-    return [r[reverse] for r in rows]
+    return [r.unflatten(0, (reverse.numel(), -1))[reverse].flatten(0, 1) for r in rows]
 
 
 @pytest.mark.parametrize(
@@ -85,13 +87,20 @@ def test_patch_positions_follow_merge_block_order():
     assert torch.equal(row[:24], row[24:]) and torch.equal(col[:24], col[24:])
 
 
-@pytest.mark.parametrize("config", [PLAIN, WINDOWED], ids=["plain", "windowed"])
-def test_outputs_have_one_row_per_merge_block(config):
+MERGED = dataclasses.replace(WINDOWED, merged_output=True, hidden=48, num_heads=4)
+
+
+@pytest.mark.parametrize("config", [PLAIN, WINDOWED, MERGED], ids=["plain", "windowed", "merged"])
+def test_embeds_have_a_row_per_patch_or_per_merge_block_and_deepstack_per_block(config):
     grids = [[1, 4, 6], [2, 4, 4], [1, 6, 10]]
     pixel_values, grid_thw = pixels(grids)
     embeds, window_index, deepstack = make_vit(config)(pixel_values, grid_thw)
-    merged = sum(t * h * w for t, h, w in grids) // 4
-    assert embeds.shape == (merged, config.out_dim)
+    patches = sum(t * h * w for t, h, w in grids)
+    merged = patches // 4
+    if config.merged_output:
+        assert embeds.shape == (merged, config.out_dim)
+    else:
+        assert embeds.shape == (patches, config.hidden)
     assert len(deepstack) == len(config.deepstack_indexes)
     assert all(d.shape == (merged, config.out_dim) for d in deepstack)
     if config.window_size is None:
@@ -101,7 +110,7 @@ def test_outputs_have_one_row_per_merge_block(config):
         assert torch.equal(window_index.sort().values, torch.arange(merged))
 
 
-@pytest.mark.parametrize("config", [PLAIN, WINDOWED], ids=["plain", "windowed"])
+@pytest.mark.parametrize("config", [PLAIN, WINDOWED, MERGED], ids=["plain", "windowed", "merged"])
 def test_each_image_depends_only_on_itself(config):
     grids = [[1, 4, 6], [2, 4, 4], [1, 6, 10]]
     pixel_values, grid_thw = pixels(grids)
@@ -130,7 +139,8 @@ def test_no_gradient_flows_between_images(config):
     pixel_values, grid_thw = pixels(grids)
     pixel_values.requires_grad_(True)
     rows = in_input_order(make_vit(config)(pixel_values, grid_thw))
-    sum(r[:6].sum() for r in rows).backward()  # the first image's 6 merged rows only
+    # The first image's rows only: 24 of 40 patches, in either layout.
+    sum(r[: r.shape[0] * 24 // 40].sum() for r in rows).backward()
     assert pixel_values.grad[:24].abs().sum() > 0
     assert torch.count_nonzero(pixel_values.grad[24:]) == 0
 
@@ -176,7 +186,7 @@ def test_get_window_index_matches_forward_and_needs_windows():
 
 
 def test_window_blocks_attend_only_inside_their_window():
-    vit = make_vit(ViTConfig(depth=2, window_size=2))
+    vit = make_vit(ViTConfig(depth=2, window_size=2, merged_output=True))
     pixel_values, grid_thw = pixels([[1, 4, 8]])  # merged 2x4: windows {0,1,4,5} and {2,3,6,7}
     pixel_values.requires_grad_(True)
     embeds, window_index, _ = vit(pixel_values, grid_thw)
@@ -240,7 +250,7 @@ def test_empty_batch_gives_empty_outputs_and_zero_grads(config):
     pixel_values, grid_thw = pixels([], dtype=torch.float32)
     assert pixel_values.shape == (0, IN_DIM) and grid_thw.shape == (0, 3)
     embeds, window_index, deepstack = vit(pixel_values, grid_thw)
-    assert embeds.shape == (0, config.out_dim)
+    assert embeds.shape == (0, config.hidden)
     assert [d.shape for d in deepstack] == [(0, config.out_dim)] * len(config.deepstack_indexes)
     if config.window_size is not None:
         assert window_index.dtype == torch.long and window_index.numel() == 0

@@ -20,16 +20,20 @@ def _opcheck_all(rank: int, world: int) -> list[str]:
     balanced_grid, routing = ops.plan(*plan_args)
     assert bool(routing[0]), "the plan must move something for this test to mean anything"
     rows = int(balanced_grid.prod(-1).sum())
-    merged = torch.randn(rows // 4, 5, dtype=torch.float64, requires_grad=True)
+    # One pre-merger output (a row per pixel row) and one merged (a row per 2x2 block), together.
+    pre_merger = torch.randn(rows, 5, dtype=torch.float64, requires_grad=True)
     deep = torch.randn(rows // 4, 2, 3, dtype=torch.float64, requires_grad=True)
     checked = []
     for op, args in (
         (torch.ops.vitbal.plan.default, plan_args),
         (
             torch.ops.vitbal.redistribute.default,
-            ([pixels.clone().requires_grad_(True)], routing, 1, 4, None, "0"),
+            ([pixels.clone().requires_grad_(True)], routing, 4, [4], None, "0"),
         ),
-        (torch.ops.vitbal.restore.default, ([merged, deep], routing, 4, pixels.shape[0] // 4, "0")),
+        (
+            torch.ops.vitbal.restore.default,
+            ([pre_merger, deep], routing, 4, [4, 1], pixels.shape[0] // 4, "0"),
+        ),
     ):
         torch.library.opcheck(op, args)  # raises on any failure
         checked.append(str(op))

@@ -46,57 +46,74 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
         )
         apply_vit_balance_pass(gm, config=QUADRATIC, **FIXED)
         self.assertExpectedInline(
-            _head(gm.code, 17),
+            _head(gm.code, 21),
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0');  image_grid_thw = None
     getitem_7 = plan_default[0]
     getitem_8 = plan_default[1];  plan_default = None
-    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 1, 4, None, '0')
+    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 4, [4], None, '0')
     getitem_9 = redistribute_default[0];  redistribute_default = None
-    visual = self.visual(getitem_9, getitem_7);  getitem_9 = getitem_7 = None
+    visual = self.visual(getitem_9, getitem_7);  getitem_7 = None
     getitem_10 = visual[0]
     getitem_11 = visual[2];  visual = None
     getitem_12 = getitem_11[0];  getitem_11 = None
-    size = pixel_values.size(0);  pixel_values = None
-    floordiv = size // 4;  size = None
-    restore_default = torch.ops.vitbal.restore.default([getitem_10, getitem_12], getitem_8, 4, floordiv, '0');  getitem_10 = getitem_12 = getitem_8 = floordiv = None
+    size = getitem_9.size(0);  getitem_9 = None
+    output_block_rows = fx_vitbal_ops_output_block_rows([getitem_10, getitem_12], size, 4);  size = None
+    size_1 = pixel_values.size(0);  pixel_values = None
+    floordiv = size_1 // 4;  size_1 = None
+    restore_default = torch.ops.vitbal.restore.default([getitem_10, getitem_12], getitem_8, 4, output_block_rows, floordiv, '0');  getitem_10 = getitem_12 = getitem_8 = output_block_rows = floordiv = None
     getitem_13 = restore_default[0]
     getitem_14 = restore_default[1];  restore_default = None
-    eq = input_ids == 3
-    getitem_3 = eq[(slice(None, None, None), None)];  eq = None""",
+    projector_norm = self.projector.norm(getitem_13);  getitem_13 = None
+    unflatten = projector_norm.unflatten(0, (-1, 4));  projector_norm = None
+    flatten = unflatten.flatten(1);  unflatten = None
+    projector_mlp_0 = getattr(self.projector.mlp, "0")(flatten);  flatten = None""",
         )
 
     def test_window_graph_regenerates_window_index_from_the_original_grid(self):
         gm = symbolic_trace(_model(window_size=2, fullatt_block_indexes=(1,)))
         self.assertExpectedInline(
-            _head(gm.code, 5),
+            _head(gm.code, 10),
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     visual = self.visual(pixel_values, image_grid_thw);  pixel_values = image_grid_thw = None
     getitem = visual[0]
     getitem_1 = visual[1];  visual = None
-    argsort = torch.argsort(getitem_1);  getitem_1 = None""",
+    argsort = torch.argsort(getitem_1);  getitem_1 = None
+    unflatten = getitem.unflatten(0, (-1, 4));  getitem = None
+    getitem_2 = unflatten[argsort];  unflatten = argsort = None
+    flatten = getitem_2.flatten(0, 1);  getitem_2 = None
+    projector_norm = self.projector.norm(flatten);  flatten = None
+    unflatten_1 = projector_norm.unflatten(0, (-1, 4));  projector_norm = None""",
         )
         apply_vit_balance_pass(gm, config=QUADRATIC, **FIXED)
         self.assertExpectedInline(
-            _head(gm.code, 15),
+            _head(gm.code, 23),
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0')
     getitem_7 = plan_default[0]
     getitem_8 = plan_default[1];  plan_default = None
-    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 1, 4, None, '0')
+    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 4, [4], None, '0')
     getitem_9 = redistribute_default[0];  redistribute_default = None
-    visual = self.visual(getitem_9, getitem_7);  getitem_9 = getitem_7 = None
+    visual = self.visual(getitem_9, getitem_7);  getitem_7 = None
     getitem_10 = visual[0];  visual = None
-    size = pixel_values.size(0);  pixel_values = None
-    floordiv = size // 4;  size = None
-    restore_default = torch.ops.vitbal.restore.default([getitem_10], getitem_8, 4, floordiv, '0');  getitem_10 = getitem_8 = floordiv = None
+    size = getitem_9.size(0);  getitem_9 = None
+    output_block_rows = fx_vitbal_ops_output_block_rows([getitem_10], size, 4);  size = None
+    size_1 = pixel_values.size(0);  pixel_values = None
+    floordiv = size_1 // 4;  size_1 = None
+    restore_default = torch.ops.vitbal.restore.default([getitem_10], getitem_8, 4, output_block_rows, floordiv, '0');  getitem_10 = getitem_8 = output_block_rows = floordiv = None
     getitem_11 = restore_default[0];  restore_default = None
     visual_1 = self.visual
     regenerate_window_index = fx_vitbal_encoder_regenerate_window_index(visual_1, image_grid_thw);  visual_1 = image_grid_thw = None
-    argsort = torch.argsort(regenerate_window_index);  regenerate_window_index = None""",
+    argsort = torch.argsort(regenerate_window_index);  regenerate_window_index = None
+    unflatten = getitem_11.unflatten(0, (-1, 4));  getitem_11 = None
+    getitem_2 = unflatten[argsort];  unflatten = argsort = None
+    flatten = getitem_2.flatten(0, 1);  getitem_2 = None
+    projector_norm = self.projector.norm(flatten);  flatten = None
+    unflatten_1 = projector_norm.unflatten(0, (-1, 4));  projector_norm = None
+    flatten_1 = unflatten_1.flatten(1);  unflatten_1 = None""",
         )
 
     def test_pass_is_idempotent(self):

@@ -35,10 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fx_vitbal import ops
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
-from fx_vitbal.encoder import group_name_and_size
+from fx_vitbal.encoder import group_name_and_size, run_balanced
 from fx_vitbal.exchange import planner_spec
 
 # Popped by transformers.vision_utils helpers; they describe the pre-balance packed batch.
@@ -222,19 +221,13 @@ def _balanced_forward(tower, original, hidden_states, grid_thw, **kwargs):
     return_dict = kwargs.pop("return_dict", True)
     for name in PRECOMPUTED_KWARGS:
         kwargs.pop(name, None)
-    group_name, world_size = dist_info
+
+    def run(pixels, grid):
+        out = original(pixels, grid_thw=grid, return_dict=True, **kwargs)
+        return [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())], out
+
     merge = tower.spatial_merge_size
-    grid, routing = ops.plan(hidden_states, grid_thw, merge, planner, world_size, group_name)
-    moved = bool(routing[0])  # the same on every rank
-    if moved:
-        (pixels,) = ops.redistribute([hidden_states], routing, 1, merge**2, None, group_name)
-    else:
-        pixels, grid = hidden_states, grid_thw
-    out = _run_tower(original, merge, pixels, grid, kwargs)
-    outputs = [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())]
-    if moved:
-        rows = hidden_states.shape[0] // merge**2
-        outputs = ops.restore(outputs, routing, merge**2, rows, group_name)
+    outputs, out = run_balanced(run, hidden_states, grid_thw, merge, planner, dist_info)
     fields = {"pooler_output": outputs[0]}
     if "deepstack_features" in out:
         fields["deepstack_features"] = list(outputs[1:])
@@ -242,26 +235,18 @@ def _balanced_forward(tower, original, hidden_states, grid_thw, **kwargs):
     return result if return_dict else (None, *result.to_tuple())
 
 
-def _run_tower(original, merge, pixels, grid, kwargs):
-    if pixels.shape[0]:
-        return original(pixels, grid_thw=grid, return_dict=True, **kwargs)
-    # HF towers fail on zero rows. Run one merge block instead and keep zero rows of its output:
-    # every rank still runs the tower (FSDP all-gathers match) and the empty output is in the
-    # autograd graph exactly when a computed one would be (params or pixels needing grad).
-    dummy = torch.cat([pixels, pixels.new_zeros(merge * merge, pixels.shape[1])])
-    out = original(dummy, grid_thw=grid.new_tensor([[1, merge, merge]]), return_dict=True, **kwargs)
-    out.pooler_output = out.pooler_output[:0]
-    if out.get("deepstack_features") is not None:
-        out.deepstack_features = [d[:0] for d in out.deepstack_features]
-    return out
-
-
 def _encode_before_parent(tower, params, module, args, kwargs):
-    """Encode this rank's images and videos in one balanced tower call (see the module doc)."""
+    """Encode this rank's images and videos in one balanced tower call (see the module doc).
+
+    When balancing is not active (eval mode, one rank) the same single tower call runs plainly
+    on ranks that have pixels, so a wrapped parent never reaches its own ``get_image_features``:
+    the ``vitbal`` backend refuses graphs that do (an unwrapped VLM).
+    """
     config, group, _, rule = tower._vitbal_hf
-    if not (config.enabled and tower.training and group_name_and_size(group) is not None):
-        return None
+    active = config.enabled and tower.training and group_name_and_size(group) is not None
     kwargs = {**dict(zip(params, args, strict=False)), **kwargs}
+    if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):
+        return None
     if kwargs.get("mm_encoder_outputs") is not None:
         raise ValueError("mm_encoder_outputs cannot be combined with vision balancing")
     parts = []  # (modality, pixels, grid as given, grid as fed to the tower)
