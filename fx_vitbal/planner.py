@@ -11,6 +11,10 @@ Two strategies:
 - ``min-move`` (default): keep units home and move only what must move. Overloaded ranks shed
   units down to a target makespan (LPT's, plus 1%), the shed units are placed LPT-style, and the
   seed's move/swap refinement repairs any overshoot. LPT is the fallback.
+
+Both keep a cap on the pixel rows each rank computes (``BalanceConfig.max_len_ratio``); by default
+no rank may end with more rows than the fullest rank holds before balancing, so balancing never
+raises peak memory.
 """
 
 import bisect
@@ -46,7 +50,8 @@ class Plan:
     imbalance_after: float
     moved_tokens: int
     cap_respected: bool = True
-    """False when ``max_len_ratio`` is set and no assignment found keeps every rank under it."""
+    """False when no assignment found keeps every rank under the row cap. Only an explicit
+    ``max_len_ratio`` can do that: the default cap is one the current layout keeps."""
 
     def destinations(self, num_units: Sequence[int]) -> list[list[int]]:
         """``dest[r][i]``: the rank computing unit ``i`` of rank ``r``."""
@@ -92,7 +97,7 @@ def solve_plan(
     base = [float(h) for h in history] if history is not None else [0.0] * num_ranks
     home = units.src[:]
     loads_before = _loads(home, units, base)
-    cap = _token_cap(units, num_ranks, config.max_len_ratio)
+    cap = _token_cap(units, config.max_len_ratio)
 
     def skip(reason: str) -> Plan:
         return _make_plan(home, units, base, loads_before, False, reason, cap)
@@ -116,12 +121,20 @@ def solve_plan(
         mean_load * (1 + config.tolerance),
         config.max_iters,
     )
-    candidates = [lpt]
+    candidates = [(lpt, lpt_loads)]
     if config.strategy == "min-move":
-        accept = max(lpt_loads) * (1.0 + MAKESPAN_SLACK)
-        candidates.append(_min_move(units, order, base, cap, accept) or lpt)
-    # Plans keeping the row cap first, then fewer rows moved (LPT, the reference, wins ties).
-    dest = min(candidates, key=lambda d: (not _cap_respected(d, units, cap), _moved(d, units)))
+        target = max(lpt_loads)
+        if cap != math.inf:
+            # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
+            # can end far above what a few moves reach; uncapped LPT's makespan is a fair aim.
+            target = min(target, max(_loads(_lpt(units, order, base, math.inf), units, base)))
+        accept = target * (1.0 + MAKESPAN_SLACK)
+        candidates.append(_min_move(units, order, base, cap, accept))
+    # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
+    # then fewer rows moved (LPT, the reference, wins ties).
+    pool = [c for c in candidates if _cap_respected(c[0], units, cap)] or candidates
+    good_enough = min(max(loads) for _, loads in pool) * (1.0 + MAKESPAN_SLACK)
+    dest = min(pool, key=lambda c: (max(c[1]) > good_enough, _moved(c[0], units)))[0]
     plan = _make_plan(dest, units, base, loads_before, True, "applied", cap)
     if not plan.cap_respected and skip("cap").cap_respected:
         return skip("cap")
@@ -175,10 +188,24 @@ def _loads(dest: list[int], units: _Units, base: list[float]) -> list[float]:
     return loads
 
 
-def _token_cap(units: _Units, num_ranks: int, ratio: float | None) -> float:
+def _rows(dest: list[int], units: _Units) -> list[int]:
+    rows = [0] * units.num_ranks
+    for d, n in zip(dest, units.tokens, strict=True):
+        rows[d] += n
+    return rows
+
+
+def _token_cap(units: _Units, ratio: float | None) -> float:
+    """The most pixel rows a rank may compute (``config.max_len_ratio``); ``math.inf``: no cap.
+
+    ``None`` caps at the fullest rank's current rows: the layout the job already fits in. Rows
+    are integers, so flooring ``mean * ratio`` changes no comparison and keeps row room exact.
+    """
     if ratio is None:
+        return max(_rows(units.src, units))
+    if ratio == math.inf:
         return math.inf
-    return sum(units.tokens) / num_ranks * ratio
+    return math.floor(sum(units.tokens) / units.num_ranks * ratio)
 
 
 def _fits(rank_tokens: int, rank_units: int, unit_tokens: int, cap: float) -> bool:
@@ -356,18 +383,19 @@ def _best_step(
 
 def _min_move(
     units: _Units, order: list[int], base: list[float], cap: float, accept: float
-) -> list[int] | None:
+) -> tuple[list[int], list[float]]:
     """Keep units home: overloaded ranks shed just enough to reach ``accept``, shed units are
-    placed LPT-style, and a refinement repairs any overshoot. None if it cannot reach ``accept``."""
+    placed LPT-style, and a refinement repairs any overshoot.
+
+    Returns an assignment and its loads: the first attempt reaching ``accept``, else the better
+    of the two attempts."""
     held: list[list[int]] = [[] for _ in range(units.num_ranks)]
     for u in reversed(order):
         held[units.src[u]].append(u)  # each rank's units, cost-ascending
     dest = units.src[:]
     loads = _loads(dest, units, base)
-    rank_tokens = [0] * units.num_ranks
+    rank_tokens = _rows(dest, units)
     rank_units = [len(h) for h in held]
-    for d, n in zip(dest, units.tokens, strict=True):
-        rank_tokens[d] += n
     shed: list[int] = []
     for r, keep in enumerate(held):
         while keep and (loads[r] > accept or (rank_tokens[r] > cap and len(keep) > 1)):
@@ -379,17 +407,18 @@ def _min_move(
                 rank_units[r] -= 1
     shed.sort(key=lambda u: (-units.cost[u], u))  # the same total order as ``order``
     _best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
-    dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
-    if max(loads) <= accept:
-        return dest
+    first = _refine(dest, units, base, cap, accept, units.num_ranks)
+    if max(first[1]) <= accept:
+        return first
     # Fragmented room (a near-perfect LPT leaves ~1% slack): LPT order again, but each unit
     # stays home while its home has room below the target, so large units stay and only the
     # smallest overflow moves.
     dest = [-1] * len(units.cost)
     zeros = [0] * units.num_ranks
     _place(order, dest, base[:], zeros[:], zeros[:], units, cap, home_fill=accept)
-    dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
-    return dest if max(loads) <= accept else None
+    second = _refine(dest, units, base, cap, accept, units.num_ranks)
+    # Neither reached the target (the row cap binds): the lower makespan, for solve_plan to weigh.
+    return min(first, second, key=lambda plan: max(plan[1]))
 
 
 def _best_fit(
@@ -459,12 +488,10 @@ def _moved(dest: list[int], units: _Units) -> int:
 def _cap_respected(dest: list[int], units: _Units, cap: float) -> bool:
     if cap == math.inf:
         return True
-    rank_tokens = [0] * units.num_ranks
     rank_units = [0] * units.num_ranks
-    for d, n in zip(dest, units.tokens, strict=True):
-        rank_tokens[d] += n
+    for d in dest:
         rank_units[d] += 1
-    return all(n <= cap or k <= 1 for n, k in zip(rank_tokens, rank_units, strict=True))
+    return all(n <= cap or k <= 1 for n, k in zip(_rows(dest, units), rank_units, strict=True))
 
 
 def _make_plan(
