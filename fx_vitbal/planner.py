@@ -113,8 +113,9 @@ def solve_plan(
         return skip("dominant-unit")
 
     order = units.by_cost_desc()
+    free = _lpt(units, order, base)
     lpt, lpt_loads = _refine(
-        _lpt(units, order, base, cap),
+        free if _cap_respected(free, units, cap) else _lpt_within(units, order, base, cap),
         units,
         base,
         cap,
@@ -123,11 +124,9 @@ def solve_plan(
     )
     candidates = [(lpt, lpt_loads)]
     if config.strategy == "min-move":
-        target = max(lpt_loads)
-        if cap != math.inf:
-            # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
-            # can end far above what a few moves reach; uncapped LPT's makespan is a fair aim.
-            target = min(target, max(_loads(_lpt(units, order, base, math.inf), units, base)))
+        # LPT deals every unit from scratch, so under a cap the current rows nearly fill it can
+        # end far above what a few moves reach; uncapped LPT's makespan is a fair aim.
+        target = min(max(lpt_loads), max(_loads(free, units, base)))
         accept = target * (1.0 + MAKESPAN_SLACK)
         candidates.append(_min_move(units, order, base, cap, accept))
     # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
@@ -136,7 +135,7 @@ def solve_plan(
     good_enough = min(max(loads) for _, loads in pool) * (1.0 + MAKESPAN_SLACK)
     dest = min(pool, key=lambda c: (max(c[1]) > good_enough, _moved(c[0], units)))[0]
     plan = _make_plan(dest, units, base, loads_before, True, "applied", cap)
-    if not plan.cap_respected and skip("cap").cap_respected:
+    if not plan.cap_respected and _cap_respected(home, units, cap):
         return skip("cap")
     if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
         return skip("no-gain")
@@ -208,9 +207,10 @@ def _token_cap(units: _Units, ratio: float | None) -> float:
     return math.floor(sum(units.tokens) / units.num_ranks * ratio)
 
 
-def _fits(rank_tokens: int, rank_units: int, unit_tokens: int, cap: float) -> bool:
-    # A rank may always hold one unit alone, however large (the cap's documented exception).
-    return rank_units == 0 or rank_tokens + unit_tokens <= cap
+def _room(r: int, rank_tokens: list[int], rank_units: list[int], cap: float) -> float:
+    """Rows rank ``r`` can still take. An empty rank may always hold one unit alone, however
+    large (the cap's documented exception)."""
+    return cap - rank_tokens[r] if rank_units[r] else math.inf
 
 
 def _place(
@@ -226,62 +226,73 @@ def _place(
     """LPT placement of ``order`` (cost-descending) onto the least-loaded rank that fits the cap.
 
     A unit stays home instead when that keeps its home's load at most ``home_fill``. Ties go to
-    the unit's home rank, then to the lowest rank. Mutates its arguments.
+    the unit's home rank, then to the lowest rank. When no rank fits, the one with the fewest rows
+    takes the unit (the plan then reports the broken cap). Mutates its arguments.
+
+    Every rank has one entry in one of two heaps: ``open`` by load, or ``full`` by row room (most
+    first) once it had no room for some unit. Before each unit, full ranks with room for it
+    reopen, so the first open rank that fits is the answer; a rank too full for large units waits
+    in ``full`` instead of being popped again for each of them. Units come roughly in descending
+    rows, so each rank changes heaps a few times: O(units * log ranks) in practice.
     """
-    # One heap entry per rank. Loads only grow, so an entry older than its rank's load is a
-    # lower bound: refresh it when it surfaces instead of pushing on every change.
-    heap = [(load, r) for r, load in enumerate(loads)]
-    heapq.heapify(heap)
+    # Loads only grow and rooms only shrink, so an entry older than its rank is a bound: refresh
+    # it when it surfaces instead of pushing on every change (the chosen rank keeps its entry).
+    open_ = [(load, r) for r, load in enumerate(loads)]
+    heapq.heapify(open_)
+    full: list[tuple[float, int]] = []
+    room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
     cost, tokens, src = units.cost, units.tokens, units.src
     for u in order:
-        need = tokens[u]
-        home = src[u]
-        chosen = -1
-        if loads[home] + cost[u] <= home_fill and _fits(
-            rank_tokens[home], rank_units[home], need, cap
-        ):
-            chosen = home  # its heap entry is now stale and is refreshed when it surfaces
-        popped = []
-        while chosen < 0 and heap:
-            load, r = heapq.heappop(heap)
-            if load != loads[r]:
-                heapq.heappush(heap, (loads[r], r))
-                continue
-            popped.append(r)
-            if _fits(rank_tokens[r], rank_units[r], need, cap):
-                chosen = r
-        if chosen < 0:
-            # Nothing fits: the rank with the fewest rows takes it; the plan reports the violation.
-            chosen = min(range(len(loads)), key=lambda k: (rank_tokens[k], k))
-        elif (
-            popped
-            and chosen != home
-            and loads[home] == loads[chosen]
-            and _fits(rank_tokens[home], rank_units[home], need, cap)
-        ):
-            chosen = home  # an LPT tie: staying home moves nothing
+        need, home = tokens[u], src[u]
+        if loads[home] + cost[u] <= home_fill and room[home] >= need:
+            chosen = home
+        else:
+            while full and -full[0][0] >= need:
+                r = heapq.heappop(full)[1]
+                heapq.heappush(open_, (loads[r], r))
+            chosen = -1
+            while open_:
+                load, r = open_[0]
+                if load != loads[r]:
+                    heapq.heapreplace(open_, (loads[r], r))
+                elif room[r] >= need:
+                    chosen = r
+                    break
+                else:
+                    heapq.heappop(open_)
+                    heapq.heappush(full, (-room[r], r))
+            if chosen < 0:
+                while -full[0][0] != room[full[0][1]]:
+                    heapq.heapreplace(full, (-room[full[0][1]], full[0][1]))
+                chosen = full[0][1]  # the most room is the fewest rows
+            if chosen != home and loads[home] == loads[chosen] and room[home] >= need:
+                chosen = home  # an LPT tie: staying home moves nothing
         dest[u] = chosen
         loads[chosen] += cost[u]
         rank_tokens[chosen] += need
         rank_units[chosen] += 1
-        for r in popped:
-            heapq.heappush(heap, (loads[r], r))
+        room[chosen] = cap - rank_tokens[chosen]
 
 
-def _lpt(units: _Units, order: list[int], base: list[float], cap: float) -> list[int]:
-    """The seed's greedy: each unit, cost-descending, onto the least-loaded rank."""
+def _lpt(units: _Units, order: list[int], base: list[float]) -> list[int]:
+    """The seed's greedy: each unit, cost-descending, onto the least-loaded rank (no row cap)."""
     dest = [-1] * len(units.cost)
-    if cap != math.inf:
-        zeros = [0] * units.num_ranks
-        _place(order, dest, base[:], zeros[:], zeros[:], units, cap)
-        return dest
     heap = [(load, r) for r, load in enumerate(base)]
     heapq.heapify(heap)
     cost = units.cost
-    for u in order:  # the uncapped hot path: one heapreplace per unit
+    for u in order:  # the hot path: one heapreplace per unit
         load, r = heap[0]
         dest[u] = r
         heapq.heapreplace(heap, (load + cost[u], r))
+    return dest
+
+
+def _lpt_within(units: _Units, order: list[int], base: list[float], cap: float) -> list[int]:
+    """LPT onto the least-loaded rank with row room for each unit: the plan when the seed's
+    greedy breaks the cap."""
+    dest = [-1] * len(units.cost)
+    zeros = [0] * units.num_ranks
+    _place(order, dest, base[:], zeros[:], zeros[:], units, cap)
     return dest
 
 
@@ -434,15 +445,24 @@ def _best_fit(
     """Best-fit decreasing: each unit onto the rank whose load stays at most ``limit`` with the
     least room left, which keeps large holes for large units. Units that fit nowhere go to the
     least-loaded rank (``_place``) and the refinement repairs the overshoot. Mutates its arguments.
+
+    As in ``_place``, a rank with too few rows of room for a unit leaves the search (``full``, by
+    room) until a unit it has room for comes, instead of being skipped again for every unit.
     """
     by_load = sorted((load, r) for r, load in enumerate(loads))
+    full: list[tuple[float, int]] = []  # only ranks in by_load take units, so rooms stay exact
+    room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
     misfits = []
     for u in order:
+        need = units.tokens[u]
+        while full and -full[0][0] >= need:
+            r = heapq.heappop(full)[1]
+            bisect.insort(by_load, (loads[r], r))
         # The fullest rank that still fits is just below limit - cost in load order.
         i = bisect.bisect_right(by_load, (limit - units.cost[u], math.inf)) - 1
-        while i >= 0 and not _fits(
-            rank_tokens[by_load[i][1]], rank_units[by_load[i][1]], units.tokens[u], cap
-        ):
+        while i >= 0 and room[by_load[i][1]] < need:
+            r = by_load.pop(i)[1]
+            heapq.heappush(full, (-room[r], r))
             i -= 1
         if i < 0:
             misfits.append(u)
@@ -450,8 +470,9 @@ def _best_fit(
         load, r = by_load.pop(i)
         dest[u] = r
         loads[r] = load + units.cost[u]
-        rank_tokens[r] += units.tokens[u]
+        rank_tokens[r] += need
         rank_units[r] += 1
+        room[r] = cap - rank_tokens[r]
         bisect.insort(by_load, (loads[r], r))
     _place(misfits, dest, loads, rank_tokens, rank_units, units, cap)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
-from fx_vitbal.planner import MAKESPAN_SLACK, imbalance, solve_plan
+from fx_vitbal.planner import MAKESPAN_SLACK, _place, _Units, imbalance, solve_plan
 from fx_vitbal.workloads import sample_batches
 
 REASONS = {"applied", "balanced", "no-gain", "cap", "dominant-unit", "single-rank", "empty"}
@@ -307,6 +307,54 @@ def test_default_cap_still_lowers_the_makespan_when_one_move_can(case):
         assert makespan(plan) < max(loads)
 
 
+@st.composite
+def placements(draw):
+    """A placement problem with many ties: small integer costs, loads and rows."""
+    num_ranks = draw(st.integers(1, 12))
+    small = st.integers(0, 6)
+    costs = draw(
+        st.lists(st.lists(small.map(float), max_size=6), min_size=num_ranks, max_size=num_ranks)
+    )
+    tokens = [draw(st.lists(small, min_size=len(rank), max_size=len(rank))) for rank in costs]
+    loads = draw(st.lists(small.map(float), min_size=num_ranks, max_size=num_ranks))
+    rows = draw(st.lists(small, min_size=num_ranks, max_size=num_ranks))
+    counts = draw(st.lists(st.integers(0, 2), min_size=num_ranks, max_size=num_ranks))
+    cap = draw(st.integers(0, 12))
+    home_fill = draw(st.sampled_from([-math.inf, 3.0, 8.0]))
+    return _Units(costs, tokens), loads, rows, counts, cap, home_fill
+
+
+def place_by_scanning(units, loads, rows, counts, cap, home_fill):
+    """What ``_place`` documents, by scanning every rank for every unit."""
+    dest = [-1] * len(units.cost)
+    for u in units.by_cost_desc():
+        home, need = units.src[u], units.tokens[u]
+        fitting = [r for r in range(len(loads)) if counts[r] == 0 or rows[r] + need <= cap]
+        if home in fitting and loads[home] + units.cost[u] <= home_fill:
+            d = home
+        elif not fitting:
+            d = min(range(len(loads)), key=lambda r: (rows[r], r))
+        else:
+            d = min(fitting, key=lambda r: (loads[r], r))
+            if home in fitting and loads[home] == loads[d]:
+                d = home
+        dest[u] = d
+        loads[d] += units.cost[u]
+        rows[d] += need
+        counts[d] += 1
+    return dest
+
+
+@settings(max_examples=300, deadline=None)
+@given(placements())
+def test_capped_placement_is_the_documented_scan(problem):
+    units, loads, rows, counts, cap, home_fill = problem
+    expected = place_by_scanning(units, loads[:], rows[:], counts[:], cap, home_fill)
+    dest = [-1] * len(units.cost)
+    _place(units.by_cost_desc(), dest, loads, rows, counts, units, cap, home_fill)
+    assert dest == expected
+
+
 def realistic_case(num_ranks: int, images_per_rank: int, seed: int) -> Case:
     grids = sample_batches(num_ranks, images_per_rank, mix="realistic", seed=seed)
     costs = [[QWEN2_VL_7B(*g) for g in rank] for rank in grids]
@@ -470,16 +518,13 @@ def test_giant_unit_stays_home_and_small_ones_spread(strategy):
 
 
 def test_min_move_sends_only_what_must_move():
-    # Uncapped LPT deals the three 100s onto ranks 0, 1, 2 (all move); min-move ships one 50 to
-    # rank 0. (Under a row cap LPT places through the cap-aware path, which breaks load ties
-    # towards home and so moves only the 50 here too.)
+    # LPT deals the three 100s onto ranks 0, 1, 2 (all move); min-move ships one 50 to rank 0.
     costs = [[], [100.0, 50.0], [100.0], [100.0]]
     tokens = [[], [100, 50], [100], [100]]
     plan = solve_plan(costs, tokens)
     assert plan.assignment == [[(1, 1)], [(1, 0)], [(2, 0)], [(3, 0)]]
     assert plan.moved_tokens == 50
-    lpt = BalanceConfig(strategy="lpt", max_len_ratio=math.inf)
-    assert solve_plan(costs, tokens, config=lpt).moved_tokens == 350
+    assert solve_plan(costs, tokens, config=BalanceConfig(strategy="lpt")).moved_tokens == 350
 
 
 def test_history_makes_a_loaded_rank_shed_work():
