@@ -362,33 +362,45 @@ def _best_step(
     units: _Units,
     cap: float,
 ) -> tuple[int, int] | None:
-    """Best move (``(u, -1)``) or swap (``(u, v)``) between two ranks: the one minimizing the
-    pair's new maximum; ties go to the lowest unit ids (a total order).
+    """Best move (``(u, -1)``) or swap (``(u, v)``) between two ranks that keeps both under the
+    row cap: the one minimizing the pair's new maximum; ties go to the lowest unit ids.
 
     For a unit ``u`` the new maximum is V-shaped in the partner's cost, lowest at
-    ``cost[u] - gap / 2``; without a row cap only the two partners nearest that cost can win, so
-    they are found by bisection instead of trying every pair.
+    ``cost[u] - gap / 2``, so on each side only the nearest partner keeping the cap can win (the
+    lowest id among equally near ones). They are found by bisection and a walk past partners that
+    break the cap, instead of trying every pair.
     """
-    cost = units.cost
-    if cap == math.inf:
-        partners = sorted((cost[v], v) for v in on_lo)
-        partner_costs = [c for c, _ in partners]
+    cost, tokens = units.cost, units.tokens
+    partners = sorted((cost[v], v) for v in on_lo)
+    partner_costs = [c for c, _ in partners]
+
+    def keeps_cap(u: int, v: int) -> bool:
+        shift = tokens[u] - (tokens[v] if v >= 0 else 0)
+        return tokens_lo + shift <= cap and tokens_hi - shift <= cap
+
     best = None
     for u in on_hi:
-        candidates = on_lo
-        if cap == math.inf:
-            i = bisect.bisect_left(partner_costs, cost[u] - gap / 2)
-            candidates = [partners[j][1] for j in (i - 1, i) if 0 <= j < len(partners)]
-        for v in [-1, *candidates]:
+        i = bisect.bisect_left(partner_costs, cost[u] - gap / 2)
+        candidates = [-1] if keeps_cap(u, -1) else []
+        nearest = None  # cost of the nearest cheaper partner keeping the cap
+        for c, v in reversed(partners[:i]):  # nearest first; equal costs by descending id
+            if cost[u] - c >= gap or (nearest is not None and c != nearest):
+                break
+            if keeps_cap(u, v):
+                candidates.append(v)
+                nearest = c
+        for c, v in partners[i:]:  # nearest first; equal costs by ascending id
+            if c >= cost[u]:
+                break
+            if keeps_cap(u, v):
+                candidates.append(v)
+                break
+        for v in candidates:
             delta = cost[u] - (cost[v] if v >= 0 else 0.0)
-            if not 0 < delta < gap:
-                continue
-            shift = units.tokens[u] - (units.tokens[v] if v >= 0 else 0)
-            if tokens_lo + shift > cap or tokens_hi - shift > cap:
-                continue
-            key = (max(load_hi - delta, load_lo + delta), u, v)
-            if best is None or key < best:
-                best = key
+            if 0 < delta < gap:
+                key = (max(load_hi - delta, load_lo + delta), u, v)
+                if best is None or key < best:
+                    best = key
     return None if best is None else (best[1], best[2])
 
 

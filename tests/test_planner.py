@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
-from fx_vitbal.planner import MAKESPAN_SLACK, _place, _Units, imbalance, solve_plan
+from fx_vitbal.planner import (
+    MAKESPAN_SLACK,
+    _best_step,
+    _place,
+    _Units,
+    imbalance,
+    solve_plan,
+)
 from fx_vitbal.workloads import sample_batches
 
 REASONS = {"applied", "balanced", "no-gain", "cap", "dominant-unit", "single-rank", "empty"}
@@ -353,6 +360,36 @@ def test_capped_placement_is_the_documented_scan(problem):
     dest = [-1] * len(units.cost)
     _place(units.by_cost_desc(), dest, loads, rows, counts, units, cap, home_fill)
     assert dest == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 8), st.integers(0, 6)), max_size=6),
+    st.lists(st.tuples(st.integers(0, 8), st.integers(0, 6)), max_size=6),
+    st.integers(0, 20),
+    st.sampled_from([math.inf, 6, 10, 14]),
+)
+def test_refinement_step_is_the_best_over_every_pair(hi, lo, base_gap, cap):
+    units = _Units(
+        [[float(c) for c, _ in hi], [float(c) for c, _ in lo]],
+        [[n for _, n in hi], [n for _, n in lo]],
+    )
+    on_hi, on_lo = list(range(len(hi))), list(range(len(hi), len(hi) + len(lo)))
+    load_lo = float(sum(c for c, _ in lo))
+    load_hi = max(float(sum(c for c, _ in hi)), load_lo + base_gap)
+    tokens_hi, tokens_lo = sum(n for _, n in hi), sum(n for _, n in lo)
+    gap = load_hi - load_lo
+    steps = [
+        (max(load_hi - delta, load_lo + delta), u, v)
+        for u in on_hi
+        for v in [-1, *on_lo]
+        if 0 < (delta := units.cost[u] - (units.cost[v] if v >= 0 else 0.0)) < gap
+        and tokens_lo + (shift := units.tokens[u] - (units.tokens[v] if v >= 0 else 0)) <= cap
+        and tokens_hi - shift <= cap
+    ]
+    expected = min(steps)[1:] if steps else None
+    args = (on_hi, on_lo, gap, load_hi, load_lo, tokens_hi, tokens_lo, units, cap)
+    assert _best_step(*args) == expected
 
 
 def realistic_case(num_ranks: int, images_per_rank: int, seed: int) -> Case:
