@@ -124,9 +124,11 @@ def solve_plan(
     )
     candidates = [(lpt, lpt_loads)]
     if config.strategy == "min-move":
-        # LPT deals every unit from scratch, so under a cap the current rows nearly fill it can
-        # end far above what a few moves reach; uncapped LPT's makespan is a fair aim.
-        target = min(max(lpt_loads), max(_loads(free, units, base)))
+        target = max(lpt_loads)
+        if target >= max(loads_before):
+            # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
+            # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
+            target = max(_loads(free, units, base))
         accept = target * (1.0 + MAKESPAN_SLACK)
         candidates.append(_min_move(units, order, base, cap, accept))
     # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
