@@ -9,8 +9,9 @@ Two strategies:
   move/swap refinement between the most and least loaded ranks. It reaches a makespan close to the
   lower bound but moves nearly every unit (each lands wherever the heap says).
 - ``min-move`` (default): keep units home and move only what must move. Overloaded ranks shed
-  units down to a target makespan (LPT's, plus 1%), the shed units are placed LPT-style, and the
-  seed's move/swap refinement repairs any overshoot. LPT is the fallback.
+  units down to a target makespan (LPT's, plus 1%; uncapped LPT's when LPT under the row cap
+  gains nothing), the shed units are placed LPT-style, and the seed's move/swap refinement repairs
+  any overshoot. LPT is the fallback.
 
 Both keep a cap on the pixel rows each rank computes (``BalanceConfig.max_len_ratio``); by default
 no rank may end with more rows than the fullest rank holds before balancing, so balancing never
