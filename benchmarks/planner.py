@@ -1,12 +1,15 @@
 """Planner quality and speed: no balancing vs the seed's LPT vs min-move, as a Markdown table.
 
-Units are whole ``image_grid_thw`` rows of the ``realistic`` mix, costed with Qwen2-VL-7B's ViT.
-Makespans are relative to the lower bound ``max(total / ranks, largest unit)``.
+Units are whole ``image_grid_thw`` rows of a mix (default ``realistic``), costed with
+Qwen2-VL-7B's ViT. Makespans are relative to the lower bound ``max(total / ranks, largest unit)``.
+LPT and min-move run without a row cap; ``safe`` is min-move under the default cap (no rank above
+the fullest rank's rows before balancing) and ``cap 1.0`` under ``max_len_ratio=1.0``.
 
-    python benchmarks/planner.py [--quick]
+    python benchmarks/planner.py [--quick] [--mix documents]
 """
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -15,14 +18,17 @@ import time
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost
 from fx_vitbal.planner import solve_plan
-from fx_vitbal.workloads import sample_batches
+from fx_vitbal.workloads import MIXES, sample_batches
 
 # Qwen2-VL-7B vision_config: embed_dim 1280, mlp_ratio 4, depth 32, 3*2*14*14 inputs per patch,
 # merged into the LM's hidden size 3584; all layers attend over whole frames.
 QWEN2_VL_7B = ArchitectureCost(hidden=1280, mlp_hidden=5120, depth=32, in_dim=1176, out_dim=3584)
 # Always plan (no trigger, no minimum gain) so the table compares the plans themselves.
-LPT = BalanceConfig(strategy="lpt", trigger_threshold=0.0, min_gain=0.0)
-MIN_MOVE = BalanceConfig(strategy="min-move", trigger_threshold=0.0, min_gain=0.0)
+LPT = BalanceConfig(strategy="lpt", trigger_threshold=0.0, min_gain=0.0, max_len_ratio=math.inf)
+MIN_MOVE = BalanceConfig(trigger_threshold=0.0, min_gain=0.0, max_len_ratio=math.inf)
+SAFE = BalanceConfig(trigger_threshold=0.0, min_gain=0.0)
+CAP_1 = BalanceConfig(trigger_threshold=0.0, min_gain=0.0, max_len_ratio=1.0)
+CONFIGS = (LPT, MIN_MOVE, SAFE, CAP_1)
 
 
 COLUMNS = [
@@ -31,55 +37,76 @@ COLUMNS = [
     ("none", "{:.3f}"),
     ("LPT", "{:.3f}"),
     ("min-move", "{:.3f}"),
+    ("safe", "{:.3f}"),
+    ("cap 1.0", "{:.3f}"),
+    ("min-move peak rows", "{:.2f}"),
     ("LPT moved", "{:.1%}"),
     ("min-move moved", "{:.1%}"),
     ("LPT ms", "{:.1f}"),
     ("min-move ms", "{:.1f}"),
+    ("safe ms", "{:.1f}"),
+    ("cap 1.0 ms", "{:.1f}"),
 ]
 
 
-def measure(ranks: int, units_per_rank: int, repeats: int) -> list[float]:
+def measure(ranks: int, units_per_rank: int, repeats: int, mix: str) -> list[float]:
     """One table row, in ``COLUMNS`` order."""
-    grids = sample_batches(ranks, units_per_rank, mix="realistic", seed=0)
+    grids = sample_batches(ranks, units_per_rank, mix=mix, seed=0)
     costs = [[QWEN2_VL_7B(*g) for g in rank] for rank in grids]
     tokens = [[t * h * w for t, h, w in rank] for rank in grids]
     total_cost = sum(map(sum, costs))
     total_tokens = sum(map(sum, tokens))
     bound = max(total_cost / ranks, max(c for rank in costs for c in rank))
-    makespans, moved, millis = [], [], []
-    for config in (LPT, MIN_MOVE):
+    plans, millis = [], []
+    for config in CONFIGS:
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             plan = solve_plan(costs, tokens, config=config)
             times.append(time.perf_counter() - start)
-        makespans.append(max(plan.loads_after) / bound)
-        moved.append(plan.moved_tokens / total_tokens)
+        plans.append(plan)
         millis.append(1e3 * statistics.median(times))
+    makespans = [max(plan.loads_after) / bound for plan in plans]
+    moved = [plan.moved_tokens / total_tokens for plan in plans[:2]]
+    # What the default cap prevents: uncapped min-move's fullest rank over the fullest before.
+    peak_rows = max(sum(tokens[s][i] for s, i in units) for units in plans[1].assignment)
     num_units = sum(map(len, costs))
-    return [ranks, num_units / ranks, max(map(sum, costs)) / bound, *makespans, *moved, *millis]
+    return [
+        ranks,
+        num_units / ranks,
+        max(map(sum, costs)) / bound,
+        *makespans,
+        peak_rows / max(map(sum, tokens)),
+        *moved,
+        *millis,
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, one run each")
+    parser.add_argument("--mix", choices=sorted(MIXES), default="realistic", help="image mix")
     args = parser.parse_args()
     if args.quick:
         all_ranks, all_units, repeats = (8, 64), (1, 8), 1
     else:
         all_ranks, all_units, repeats = (8, 64, 512, 2048), (1, 4, 8, 16), 3
 
-    print(f"{platform.platform()}, Python {platform.python_version()}, {os.cpu_count()} CPUs\n")
+    print(f"{platform.platform()}, Python {platform.python_version()}, {os.cpu_count()} CPUs")
+    print(f"mix: {args.mix}\n")
     print("| " + " | ".join(name for name, _ in COLUMNS) + " |")
     print("|" + "---:|" * len(COLUMNS))
     for ranks in all_ranks:
         for units in all_units:
-            row = measure(ranks, units, repeats)
+            row = measure(ranks, units, repeats, args.mix)
             cells = [fmt.format(value) for (_, fmt), value in zip(COLUMNS, row, strict=True)]
             print("| " + " | ".join(cells) + " |")
     print(
-        "\nnone / LPT / min-move: makespan over the lower bound max(total / ranks, largest unit); "
-        "moved: share of tokens leaving their rank; ms: median planning time."
+        "\nnone / LPT / min-move / safe / cap 1.0: makespan over the lower bound "
+        "max(total / ranks, largest unit); LPT and min-move uncapped, safe = min-move under the "
+        "default row cap, cap 1.0 = max_len_ratio=1.0; min-move peak rows: uncapped min-move's "
+        "fullest rank over the fullest before; moved: share of tokens leaving their rank; "
+        "ms: median planning time."
     )
 
 

@@ -9,8 +9,13 @@ Two strategies:
   move/swap refinement between the most and least loaded ranks. It reaches a makespan close to the
   lower bound but moves nearly every unit (each lands wherever the heap says).
 - ``min-move`` (default): keep units home and move only what must move. Overloaded ranks shed
-  units down to a target makespan (LPT's, plus 1%), the shed units are placed LPT-style, and the
-  seed's move/swap refinement repairs any overshoot. LPT is the fallback.
+  units down to a target makespan (LPT's, plus 1%; uncapped LPT's when LPT under the row cap
+  gains nothing), the shed units are placed LPT-style, and the seed's move/swap refinement repairs
+  any overshoot. LPT is the fallback.
+
+Both keep a cap on the pixel rows each rank computes (``BalanceConfig.max_len_ratio``); by default
+no rank may end with more rows than the fullest rank holds before balancing, so balancing never
+raises peak memory.
 """
 
 import bisect
@@ -46,7 +51,8 @@ class Plan:
     imbalance_after: float
     moved_tokens: int
     cap_respected: bool = True
-    """False when ``max_len_ratio`` is set and no assignment found keeps every rank under it."""
+    """False when no assignment found keeps every rank under the row cap. Only an explicit
+    ``max_len_ratio`` can do that: the default cap is one the current layout keeps."""
 
     def destinations(self, num_units: Sequence[int]) -> list[list[int]]:
         """``dest[r][i]``: the rank computing unit ``i`` of rank ``r``."""
@@ -92,7 +98,7 @@ def solve_plan(
     base = [float(h) for h in history] if history is not None else [0.0] * num_ranks
     home = units.src[:]
     loads_before = _loads(home, units, base)
-    cap = _token_cap(units, num_ranks, config.max_len_ratio)
+    cap = _token_cap(units, config.max_len_ratio)
 
     def skip(reason: str) -> Plan:
         return _make_plan(home, units, base, loads_before, False, reason, cap)
@@ -108,22 +114,31 @@ def solve_plan(
         return skip("dominant-unit")
 
     order = units.by_cost_desc()
+    free = _lpt(units, order, base)
     lpt, lpt_loads = _refine(
-        _lpt(units, order, base, cap),
+        free if _cap_respected(free, units, cap) else _lpt_within(units, order, base, cap),
         units,
         base,
         cap,
         mean_load * (1 + config.tolerance),
         config.max_iters,
     )
-    candidates = [lpt]
+    candidates = [(lpt, lpt_loads)]
     if config.strategy == "min-move":
-        accept = max(lpt_loads) * (1.0 + MAKESPAN_SLACK)
-        candidates.append(_min_move(units, order, base, cap, accept) or lpt)
-    # Plans keeping the row cap first, then fewer rows moved (LPT, the reference, wins ties).
-    dest = min(candidates, key=lambda d: (not _cap_respected(d, units, cap), _moved(d, units)))
+        target = max(lpt_loads)
+        if target >= max(loads_before):
+            # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
+            # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
+            target = max(_loads(free, units, base))
+        accept = target * (1.0 + MAKESPAN_SLACK)
+        candidates.append(_min_move(units, order, base, cap, accept))
+    # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
+    # then fewer rows moved (LPT, the reference, wins ties).
+    pool = [c for c in candidates if _cap_respected(c[0], units, cap)] or candidates
+    good_enough = min(max(loads) for _, loads in pool) * (1.0 + MAKESPAN_SLACK)
+    dest = min(pool, key=lambda c: (max(c[1]) > good_enough, _moved(c[0], units)))[0]
     plan = _make_plan(dest, units, base, loads_before, True, "applied", cap)
-    if not plan.cap_respected and skip("cap").cap_respected:
+    if not plan.cap_respected and _cap_respected(home, units, cap):
         return skip("cap")
     if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
         return skip("no-gain")
@@ -175,15 +190,30 @@ def _loads(dest: list[int], units: _Units, base: list[float]) -> list[float]:
     return loads
 
 
-def _token_cap(units: _Units, num_ranks: int, ratio: float | None) -> float:
+def _rows(dest: list[int], units: _Units) -> list[int]:
+    rows = [0] * units.num_ranks
+    for d, n in zip(dest, units.tokens, strict=True):
+        rows[d] += n
+    return rows
+
+
+def _token_cap(units: _Units, ratio: float | None) -> float:
+    """The most pixel rows a rank may compute (``config.max_len_ratio``); ``math.inf``: no cap.
+
+    ``None`` caps at the fullest rank's current rows: the layout the job already fits in. Rows
+    are integers, so flooring ``mean * ratio`` changes no comparison and keeps row room exact.
+    """
     if ratio is None:
+        return max(_rows(units.src, units))
+    if ratio == math.inf:
         return math.inf
-    return sum(units.tokens) / num_ranks * ratio
+    return math.floor(sum(units.tokens) / units.num_ranks * ratio)
 
 
-def _fits(rank_tokens: int, rank_units: int, unit_tokens: int, cap: float) -> bool:
-    # A rank may always hold one unit alone, however large (the cap's documented exception).
-    return rank_units == 0 or rank_tokens + unit_tokens <= cap
+def _room(r: int, rank_tokens: list[int], rank_units: list[int], cap: float) -> float:
+    """Rows rank ``r`` can still take. An empty rank may always hold one unit alone, however
+    large (the cap's documented exception)."""
+    return cap - rank_tokens[r] if rank_units[r] else math.inf
 
 
 def _place(
@@ -199,62 +229,73 @@ def _place(
     """LPT placement of ``order`` (cost-descending) onto the least-loaded rank that fits the cap.
 
     A unit stays home instead when that keeps its home's load at most ``home_fill``. Ties go to
-    the unit's home rank, then to the lowest rank. Mutates its arguments.
+    the unit's home rank, then to the lowest rank. When no rank fits, the one with the fewest rows
+    takes the unit (the plan then reports the broken cap). Mutates its arguments.
+
+    Every rank has one entry in one of two heaps: ``open`` by load, or ``full`` by row room (most
+    first) once it had no room for some unit. Before each unit, full ranks with room for it
+    reopen, so the first open rank that fits is the answer; a rank too full for large units waits
+    in ``full`` instead of being popped again for each of them. Units come roughly in descending
+    rows, so each rank changes heaps a few times: O(units * log ranks) in practice.
     """
-    # One heap entry per rank. Loads only grow, so an entry older than its rank's load is a
-    # lower bound: refresh it when it surfaces instead of pushing on every change.
-    heap = [(load, r) for r, load in enumerate(loads)]
-    heapq.heapify(heap)
+    # Loads only grow and rooms only shrink, so an entry older than its rank is a bound: refresh
+    # it when it surfaces instead of pushing on every change (the chosen rank keeps its entry).
+    open_ = [(load, r) for r, load in enumerate(loads)]
+    heapq.heapify(open_)
+    full: list[tuple[float, int]] = []
+    room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
     cost, tokens, src = units.cost, units.tokens, units.src
     for u in order:
-        need = tokens[u]
-        home = src[u]
-        chosen = -1
-        if loads[home] + cost[u] <= home_fill and _fits(
-            rank_tokens[home], rank_units[home], need, cap
-        ):
-            chosen = home  # its heap entry is now stale and is refreshed when it surfaces
-        popped = []
-        while chosen < 0 and heap:
-            load, r = heapq.heappop(heap)
-            if load != loads[r]:
-                heapq.heappush(heap, (loads[r], r))
-                continue
-            popped.append(r)
-            if _fits(rank_tokens[r], rank_units[r], need, cap):
-                chosen = r
-        if chosen < 0:
-            # Nothing fits: the rank with the fewest rows takes it; the plan reports the violation.
-            chosen = min(range(len(loads)), key=lambda k: (rank_tokens[k], k))
-        elif (
-            popped
-            and chosen != home
-            and loads[home] == loads[chosen]
-            and _fits(rank_tokens[home], rank_units[home], need, cap)
-        ):
-            chosen = home  # an LPT tie: staying home moves nothing
+        need, home = tokens[u], src[u]
+        if loads[home] + cost[u] <= home_fill and room[home] >= need:
+            chosen = home
+        else:
+            while full and -full[0][0] >= need:
+                r = heapq.heappop(full)[1]
+                heapq.heappush(open_, (loads[r], r))
+            chosen = -1
+            while open_:
+                load, r = open_[0]
+                if load != loads[r]:
+                    heapq.heapreplace(open_, (loads[r], r))
+                elif room[r] >= need:
+                    chosen = r
+                    break
+                else:
+                    heapq.heappop(open_)
+                    heapq.heappush(full, (-room[r], r))
+            if chosen < 0:
+                while -full[0][0] != room[full[0][1]]:
+                    heapq.heapreplace(full, (-room[full[0][1]], full[0][1]))
+                chosen = full[0][1]  # the most room is the fewest rows
+            if chosen != home and loads[home] == loads[chosen] and room[home] >= need:
+                chosen = home  # an LPT tie: staying home moves nothing
         dest[u] = chosen
         loads[chosen] += cost[u]
         rank_tokens[chosen] += need
         rank_units[chosen] += 1
-        for r in popped:
-            heapq.heappush(heap, (loads[r], r))
+        room[chosen] = cap - rank_tokens[chosen]
 
 
-def _lpt(units: _Units, order: list[int], base: list[float], cap: float) -> list[int]:
-    """The seed's greedy: each unit, cost-descending, onto the least-loaded rank."""
+def _lpt(units: _Units, order: list[int], base: list[float]) -> list[int]:
+    """The seed's greedy: each unit, cost-descending, onto the least-loaded rank (no row cap)."""
     dest = [-1] * len(units.cost)
-    if cap != math.inf:
-        zeros = [0] * units.num_ranks
-        _place(order, dest, base[:], zeros[:], zeros[:], units, cap)
-        return dest
     heap = [(load, r) for r, load in enumerate(base)]
     heapq.heapify(heap)
     cost = units.cost
-    for u in order:  # the uncapped hot path: one heapreplace per unit
+    for u in order:  # the hot path: one heapreplace per unit
         load, r = heap[0]
         dest[u] = r
         heapq.heapreplace(heap, (load + cost[u], r))
+    return dest
+
+
+def _lpt_within(units: _Units, order: list[int], base: list[float], cap: float) -> list[int]:
+    """LPT onto the least-loaded rank with row room for each unit: the plan when the seed's
+    greedy breaks the cap."""
+    dest = [-1] * len(units.cost)
+    zeros = [0] * units.num_ranks
+    _place(order, dest, base[:], zeros[:], zeros[:], units, cap)
     return dest
 
 
@@ -324,50 +365,63 @@ def _best_step(
     units: _Units,
     cap: float,
 ) -> tuple[int, int] | None:
-    """Best move (``(u, -1)``) or swap (``(u, v)``) between two ranks: the one minimizing the
-    pair's new maximum; ties go to the lowest unit ids (a total order).
+    """Best move (``(u, -1)``) or swap (``(u, v)``) between two ranks that keeps both under the
+    row cap: the one minimizing the pair's new maximum; ties go to the lowest unit ids.
 
     For a unit ``u`` the new maximum is V-shaped in the partner's cost, lowest at
-    ``cost[u] - gap / 2``; without a row cap only the two partners nearest that cost can win, so
-    they are found by bisection instead of trying every pair.
+    ``cost[u] - gap / 2``, so on each side only the nearest partner keeping the cap can win (the
+    lowest id among equally near ones). They are found by bisection and a walk past partners that
+    break the cap, instead of trying every pair.
     """
-    cost = units.cost
-    if cap == math.inf:
-        partners = sorted((cost[v], v) for v in on_lo)
-        partner_costs = [c for c, _ in partners]
+    cost, tokens = units.cost, units.tokens
+    partners = sorted((cost[v], v) for v in on_lo)
+    partner_costs = [c for c, _ in partners]
+
+    def keeps_cap(u: int, v: int) -> bool:
+        shift = tokens[u] - (tokens[v] if v >= 0 else 0)
+        return tokens_lo + shift <= cap and tokens_hi - shift <= cap
+
     best = None
     for u in on_hi:
-        candidates = on_lo
-        if cap == math.inf:
-            i = bisect.bisect_left(partner_costs, cost[u] - gap / 2)
-            candidates = [partners[j][1] for j in (i - 1, i) if 0 <= j < len(partners)]
-        for v in [-1, *candidates]:
+        i = bisect.bisect_left(partner_costs, cost[u] - gap / 2)
+        candidates = [-1] if keeps_cap(u, -1) else []
+        nearest = None  # cost of the nearest cheaper partner keeping the cap
+        for c, v in reversed(partners[:i]):  # nearest first; equal costs by descending id
+            if cost[u] - c >= gap or (nearest is not None and c != nearest):
+                break
+            if keeps_cap(u, v):
+                candidates.append(v)
+                nearest = c
+        for c, v in partners[i:]:  # nearest first; equal costs by ascending id
+            if c >= cost[u]:
+                break
+            if keeps_cap(u, v):
+                candidates.append(v)
+                break
+        for v in candidates:
             delta = cost[u] - (cost[v] if v >= 0 else 0.0)
-            if not 0 < delta < gap:
-                continue
-            shift = units.tokens[u] - (units.tokens[v] if v >= 0 else 0)
-            if tokens_lo + shift > cap or tokens_hi - shift > cap:
-                continue
-            key = (max(load_hi - delta, load_lo + delta), u, v)
-            if best is None or key < best:
-                best = key
+            if 0 < delta < gap:
+                key = (max(load_hi - delta, load_lo + delta), u, v)
+                if best is None or key < best:
+                    best = key
     return None if best is None else (best[1], best[2])
 
 
 def _min_move(
     units: _Units, order: list[int], base: list[float], cap: float, accept: float
-) -> list[int] | None:
+) -> tuple[list[int], list[float]]:
     """Keep units home: overloaded ranks shed just enough to reach ``accept``, shed units are
-    placed LPT-style, and a refinement repairs any overshoot. None if it cannot reach ``accept``."""
+    placed LPT-style, and a refinement repairs any overshoot.
+
+    Returns an assignment and its loads: the first attempt reaching ``accept``, else the better
+    of the two attempts."""
     held: list[list[int]] = [[] for _ in range(units.num_ranks)]
     for u in reversed(order):
         held[units.src[u]].append(u)  # each rank's units, cost-ascending
     dest = units.src[:]
     loads = _loads(dest, units, base)
-    rank_tokens = [0] * units.num_ranks
+    rank_tokens = _rows(dest, units)
     rank_units = [len(h) for h in held]
-    for d, n in zip(dest, units.tokens, strict=True):
-        rank_tokens[d] += n
     shed: list[int] = []
     for r, keep in enumerate(held):
         while keep and (loads[r] > accept or (rank_tokens[r] > cap and len(keep) > 1)):
@@ -379,17 +433,18 @@ def _min_move(
                 rank_units[r] -= 1
     shed.sort(key=lambda u: (-units.cost[u], u))  # the same total order as ``order``
     _best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
-    dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
-    if max(loads) <= accept:
-        return dest
+    first = _refine(dest, units, base, cap, accept, units.num_ranks)
+    if max(first[1]) <= accept:
+        return first
     # Fragmented room (a near-perfect LPT leaves ~1% slack): LPT order again, but each unit
     # stays home while its home has room below the target, so large units stay and only the
     # smallest overflow moves.
     dest = [-1] * len(units.cost)
     zeros = [0] * units.num_ranks
     _place(order, dest, base[:], zeros[:], zeros[:], units, cap, home_fill=accept)
-    dest, loads = _refine(dest, units, base, cap, accept, units.num_ranks)
-    return dest if max(loads) <= accept else None
+    second = _refine(dest, units, base, cap, accept, units.num_ranks)
+    # Neither reached the target (the row cap binds): the lower makespan, for solve_plan to weigh.
+    return min(first, second, key=lambda plan: max(plan[1]))
 
 
 def _best_fit(
@@ -405,15 +460,24 @@ def _best_fit(
     """Best-fit decreasing: each unit onto the rank whose load stays at most ``limit`` with the
     least room left, which keeps large holes for large units. Units that fit nowhere go to the
     least-loaded rank (``_place``) and the refinement repairs the overshoot. Mutates its arguments.
+
+    As in ``_place``, a rank with too few rows of room for a unit leaves the search (``full``, by
+    room) until a unit it has room for comes, instead of being skipped again for every unit.
     """
     by_load = sorted((load, r) for r, load in enumerate(loads))
+    full: list[tuple[float, int]] = []  # only ranks in by_load take units, so rooms stay exact
+    room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
     misfits = []
     for u in order:
+        need = units.tokens[u]
+        while full and -full[0][0] >= need:
+            r = heapq.heappop(full)[1]
+            bisect.insort(by_load, (loads[r], r))
         # The fullest rank that still fits is just below limit - cost in load order.
         i = bisect.bisect_right(by_load, (limit - units.cost[u], math.inf)) - 1
-        while i >= 0 and not _fits(
-            rank_tokens[by_load[i][1]], rank_units[by_load[i][1]], units.tokens[u], cap
-        ):
+        while i >= 0 and room[by_load[i][1]] < need:
+            r = by_load.pop(i)[1]
+            heapq.heappush(full, (-room[r], r))
             i -= 1
         if i < 0:
             misfits.append(u)
@@ -421,8 +485,9 @@ def _best_fit(
         load, r = by_load.pop(i)
         dest[u] = r
         loads[r] = load + units.cost[u]
-        rank_tokens[r] += units.tokens[u]
+        rank_tokens[r] += need
         rank_units[r] += 1
+        room[r] = cap - rank_tokens[r]
         bisect.insort(by_load, (loads[r], r))
     _place(misfits, dest, loads, rank_tokens, rank_units, units, cap)
 
@@ -459,12 +524,10 @@ def _moved(dest: list[int], units: _Units) -> int:
 def _cap_respected(dest: list[int], units: _Units, cap: float) -> bool:
     if cap == math.inf:
         return True
-    rank_tokens = [0] * units.num_ranks
     rank_units = [0] * units.num_ranks
-    for d, n in zip(dest, units.tokens, strict=True):
-        rank_tokens[d] += n
+    for d in dest:
         rank_units[d] += 1
-    return all(n <= cap or k <= 1 for n, k in zip(rank_tokens, rank_units, strict=True))
+    return all(n <= cap or k <= 1 for n, k in zip(_rows(dest, units), rank_units, strict=True))
 
 
 def _make_plan(
