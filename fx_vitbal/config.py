@@ -27,11 +27,11 @@ class BalanceConfig:
     """Memory guard on the pixel rows each rank computes.
 
     ``None`` (default): no rank gets more rows than the fullest rank held before balancing, so a
-    batch that fits in memory unbalanced also fits balanced. LoongForge's ``None`` meant no cap; this
-    default differs for memory safety: balancing cost, not rows, raises the peak rows by up to 11%
-    on realistic mixes and 37-56% on documents with thumbnails, enough to turn a step that fit into
-    an out-of-memory error. A number ``R``: at most ``mean_rows * R`` rows per rank, unless a single
-    unit alone is larger. ``math.inf``: no cap."""
+    batch that fits in memory unbalanced also fits balanced. LoongForge's ``None`` meant no cap;
+    this default differs for memory safety: a plan that balances cost, not rows, can raise the
+    peak rows (by 7-14% in some 64-rank batches of the planner benchmark), enough to turn a step
+    that fit into an out-of-memory error. A number ``R``: at most ``mean_rows * R`` rows per rank,
+    unless a single unit alone is larger. ``math.inf``: no cap."""
 
     tolerance: float = 0.05
     """Refinement stops once the plan's imbalance is below this."""
@@ -52,7 +52,8 @@ class BalanceConfig:
     """``(a, b, c)`` of ``a*l**2 + b*l + c`` for the polynomial model (``PolynomialCost.fit``)."""
 
     strategy: str = "min-move"
-    """``min-move``: near-LPT makespan while keeping most units home; ``lpt``: plain LPT plus refinement (it moves most units)."""
+    """``min-move``: near-LPT makespan while keeping most units home; ``lpt``: plain LPT plus
+    refinement (it moves most units)."""
 
     skip_rule: str = "no-gain"
     """``no-gain``: skip only when the plan would not lower the makespan by ``min_gain``.
@@ -197,7 +198,8 @@ def add_vit_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--dp-balance-skip-rule-vit",
         choices=SKIP_RULES,
         default=d.skip_rule,
-        help="no-gain (default) or seed: LoongForge's rule, also skip when one image costs more than the mean load",
+        help="no-gain (default) or seed: LoongForge's rule, also skip when one image costs more "
+        "than the mean load",
     )
     g.add_argument(
         "--dp-balance-min-gain-vit",
