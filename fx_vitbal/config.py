@@ -11,6 +11,7 @@ import math
 COST_MODELS = ("auto", "quadratic", "polynomial", "architecture")
 STRATEGIES = ("min-move", "lpt")
 SKIP_RULES = ("no-gain", "seed")
+WHEN = ("training", "always")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -19,6 +20,12 @@ class BalanceConfig:
 
     enabled: bool = True
     """Master switch (``--use-vit-dp-balance``); disabled means a plain ViT call."""
+
+    when: str = "training"
+    """``training``: balance while the ViT is in training mode, and issue no collective at all in
+    eval mode (validation or generation often runs on some ranks only). ``always``: also in eval
+    mode, e.g. for a frozen ViT kept in ``eval()`` while the LM trains; every rank must then call
+    the ViT at the same steps in eval mode too."""
 
     trigger_threshold: float = 0.2
     """Skip when ``max(loads) / mean(loads) - 1`` is below this."""
@@ -84,6 +91,7 @@ class BalanceConfig:
         _check(self.cost_model in COST_MODELS, "cost_model", self.cost_model, f"in {COST_MODELS}")
         _check(self.strategy in STRATEGIES, "strategy", self.strategy, f"in {STRATEGIES}")
         _check(self.skip_rule in SKIP_RULES, "skip_rule", self.skip_rule, f"in {SKIP_RULES}")
+        _check(self.when in WHEN, "when", self.when, f"in {WHEN}")
         _check(0 <= self.min_gain < 1, "min_gain", self.min_gain, "in [0, 1)")
         coeffs = self.cost_coeffs
         if coeffs is not None:  # a list from argparse or JSON: keep the config hashable
@@ -112,6 +120,7 @@ class BalanceConfig:
         coeffs = args.dp_balance_cost_coeffs_vit
         return cls(
             enabled=args.use_vit_dp_balance,
+            when=args.dp_balance_when_vit,
             trigger_threshold=args.dp_balance_trigger_threshold_vit,
             max_len_ratio=args.dp_balance_max_len_ratio_vit,
             tolerance=args.dp_balance_tolerance_vit,
@@ -142,6 +151,13 @@ def add_vit_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--use-vit-dp-balance",
         action="store_true",
         help="balance ViT work across data-parallel ranks",
+    )
+    g.add_argument(
+        "--dp-balance-when-vit",
+        choices=WHEN,
+        default=d.when,
+        help="balance while the ViT trains (default; no collective in eval mode) or always, "
+        "e.g. for a frozen ViT kept in eval()",
     )
     g.add_argument(
         "--dp-balance-max-len-ratio-vit",

@@ -12,6 +12,7 @@ dimensions behind the architecture cost model).
 import dataclasses
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable
 
@@ -22,7 +23,7 @@ from torch import nn
 from fx_vitbal import ops
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
-from fx_vitbal.exchange import planner_spec
+from fx_vitbal.exchange import Routing, planner_spec
 
 log = logging.getLogger(__name__)
 
@@ -278,12 +279,29 @@ def regenerate_window_index(vit: nn.Module, grid_thw: torch.Tensor) -> torch.Ten
     return index[0] if isinstance(index, tuple) else index
 
 
+def balancing_active(vit: nn.Module, config: BalanceConfig) -> bool:
+    """The one rule of every path: enabled, and the ViT trains or ``config.when == "always"``.
+    (Whether a multi-rank group exists is the caller's other condition.)"""
+    return config.enabled and in_balancing_mode(vit, config.when)
+
+
+def in_balancing_mode(vit: nn.Module, when: str) -> bool:
+    """``vit`` trains, or ``when == "always"``; rewritten graphs call this when they run."""
+    return vit.training or when == "always"
+
+
 def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=None, planner=None):
     config = config or BalanceConfig()
     dist_info = group_name_and_size(group)
-    if not config.enabled or dist_info is None:
+    if not (dist_info is not None and balancing_active(vit, config)):
+        if pixel_values is None:  # no images here and nothing to take part in
+            return None, None, []
         return call(pixel_values, image_grid_thw)
     planner, merge = planner or planner_for(vit, config)
+    if pixel_values is None:  # no images here: take part with rows in the others' layout
+        device = next(iter(vit.parameters()), torch.empty(0)).device
+        pixel_values = torch.empty(0, 0, device=device)
+        image_grid_thw = torch.empty(0, 3, dtype=torch.long, device=device)
 
     def run(pixels, grid):
         embeds, window_index, deepstack = call(pixels, grid)
@@ -292,6 +310,8 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
     outputs, window_index = run_balanced(
         run, pixel_values, image_grid_thw, merge, planner, dist_info
     )
+    if outputs is None:
+        return None, None, []
     if window_index is not None:
         window_index = regenerate_window_index(vit, image_grid_thw)
     return outputs[0], window_index, list(outputs[1:])
@@ -303,14 +323,26 @@ def run_balanced(run, pixel_values, image_grid_thw, merge, planner, dist_info):
 
     ``run`` returns ``(outputs, extra)``: the embeddings to move home (pre-merger or merged
     layout each) and anything else, passed back untouched. Returns ``(restored outputs, extra)``.
-    A skipped plan runs ``run`` on the local batch with no copy, except on a rank with no image,
-    which goes through the ops so its ViT computes the dummy unit instead of zero rows.
+    An empty ``[0, 0]`` ``pixel_values`` (what ``None`` becomes) receives rows in the other
+    ranks' layout.
+
+    Every decision below comes from the gathered metadata, so all ranks take the same branch:
+    - a skipped plan runs ``run`` on the local batch with no copy, except on a rank with no
+      image, which goes through the ops so its ViT computes the dummy unit, never zero rows;
+    - when no rank has an image, nothing runs with gradients (the ViT's parameters get none, as
+      without balancing): every rank runs the dummy unit under ``no_grad`` to learn the outputs'
+      widths and returns them empty, or returns ``(None, extra)`` if no rank passed a pixel
+      tensor at all. (Under ``torch.compile`` the dummy unit runs with gradients: zeros.)
     """
     group_name, world_size = dist_info
     area = merge * merge
     grid, routing = ops.plan(pixel_values, image_grid_thw, merge, planner, world_size, group_name)
-    if not torch.compiler.is_compiling() and not routing[0] and pixel_values.shape[0]:
-        return run(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
+    if not torch.compiler.is_compiling():
+        route = Routing.from_tensor(routing)
+        if not route.any_units:
+            return _without_images(run, pixel_values, route, area)
+        if not route.applied and pixel_values.shape[0]:
+            return run(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
     outputs, extra = run(pixels, grid)
     layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
@@ -318,9 +350,17 @@ def run_balanced(run, pixel_values, image_grid_thw, merge, planner, dist_info):
     return ops.restore(outputs, routing, area, layouts, home_blocks, group_name), extra
 
 
+def _without_images(run, pixel_values, route, area):
+    if not route.row_numel:
+        return None, None
+    dummy = torch.zeros(area, route.row_numel, dtype=route.dtype, device=pixel_values.device)
+    side = math.isqrt(area)
+    with torch.no_grad():
+        outputs, extra = run(dummy, torch.tensor([[1, side, side]], device=pixel_values.device))
+    return [o[:0] for o in outputs], extra
+
+
 def _training_call(vit, original, config, group, pixel_values, image_grid_thw):
-    if not vit.training:
-        return original(pixel_values, image_grid_thw)
     planner = vit._vitbal_planner
     return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group, planner)
 

@@ -14,6 +14,7 @@ Shape suffixes: ``_R`` per rank, ``_U`` per local unit.
 """
 
 import dataclasses
+import hashlib
 import itertools
 import json
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ _plan_calls = itertools.count(1)  # the step number --dp-balance-verbose prints
 # Dtypes a pixel tensor may have; the index is what travels in the metadata header.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Header fields gathered from every rank, one int64 row per rank.
-_STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE = range(7)
+_STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT = range(8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +43,15 @@ class Routing:
     runs the ViT every step (FSDP/ZeRO-3 all-gathers stay matched, towers that cannot take an
     empty batch work) and compiled graphs may assume a non-empty batch.
 
+    ``any_units`` is False on a step where no rank has an image (every rank knows it from the
+    gathered metadata); ``row_numel`` and ``dtype_code`` describe the pixel rows of the ranks
+    that passed a pixel tensor (0: none did), so a rank that passed None can still receive rows.
+
     Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
-    ``[applied, num_units, world, dummy_rows, send_rows_R, recv_rows_R, unit_rows_U, dest_U]``,
-    zero-padded to ``routing_size(max_units, world)``. The padding gives the tensor a size known
-    from the inputs (``max_units`` follows from the pixel rows), so compiled graphs need no fresh
-    data-dependent size for it.
+    ``[applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code, send_rows_R,
+    recv_rows_R, unit_rows_U, dest_U]``, zero-padded to ``routing_size(max_units, world)``. The
+    padding gives the tensor a size known from the inputs (``max_units`` follows from the pixel
+    rows), so compiled graphs need no fresh data-dependent size for it.
     """
 
     applied: bool
@@ -55,9 +60,20 @@ class Routing:
     send_rows: list[int]
     recv_rows: list[int]
     dummy_rows: int = 0
+    any_units: bool = True
+    row_numel: int = 0
+    dtype_code: int = 0
 
     def to_tensor(self, max_units: int) -> torch.Tensor:
-        header = [int(self.applied), len(self.unit_rows), len(self.send_rows), self.dummy_rows]
+        header = [
+            int(self.applied),
+            len(self.unit_rows),
+            len(self.send_rows),
+            self.dummy_rows,
+            int(self.any_units),
+            self.row_numel,
+            self.dtype_code,
+        ]
         values = header + self.send_rows + self.recv_rows + self.unit_rows + self.dest
         padding = routing_size(max_units, len(self.send_rows)) - len(values)
         if padding < 0:
@@ -67,8 +83,8 @@ class Routing:
     @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
         values = routing.tolist()  # CPU tensor: no device sync
-        applied, num_units, world, dummy_rows = values[:4]
-        body = values[4:]
+        applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code = values[:7]
+        body = values[7:]
         if len(body) < 2 * num_units + 2 * world:
             raise ValueError(f"malformed routing tensor of {len(values)} values")
         return cls(
@@ -78,12 +94,20 @@ class Routing:
             unit_rows=body[2 * world : 2 * world + num_units],
             dest=body[2 * world + num_units : 2 * world + 2 * num_units],
             dummy_rows=dummy_rows,
+            any_units=bool(any_units),
+            row_numel=row_numel,
+            dtype_code=dtype_code,
         )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The pixel dtype the ranks with pixels agree on."""
+        return _DTYPES[self.dtype_code]
 
 
 def routing_size(max_units: int, world_size: int) -> int:
     """Length of a packed routing tensor."""
-    return 4 + 2 * world_size + 2 * max_units
+    return 7 + 2 * world_size + 2 * max_units
 
 
 def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
@@ -102,35 +126,61 @@ def parse_planner_spec(spec: str) -> tuple[BalanceConfig, CostModel]:
     return BalanceConfig(**config), cost_from_spec(fields["cost"])
 
 
-def gather_grids(
-    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int, group: dist.ProcessGroup
-) -> list[list[list[int]]]:
-    """Validate local input and gather every rank's ``[t, h, w]`` rows.
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """What ``gather_grids`` learned from every rank."""
 
-    Two gathers: a fixed-size header (status, counts, dtype), then the grids padded to the
-    largest count. A bad input anywhere is detected from the header, so every rank raises the same
-    ``ValueError`` after the first gather and none is left waiting in the second.
+    grids_R: list[list[list[int]]]
+    """Every rank's ``[t, h, w]`` rows."""
+    row_numel: int
+    """Values per pixel row, as the ranks that passed a pixel tensor have them (0: none did)."""
+    dtype_code: int
+    """Index in ``_DTYPES`` of their pixel dtype."""
+
+
+def gather_grids(
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    merge_size: int,
+    group: dist.ProcessGroup,
+    fingerprint: int = 0,
+) -> Gathered:
+    """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
+
+    Two gathers: a fixed-size header (status, counts, dtype, settings fingerprint), then the
+    grids padded to the largest count. A bad input or a settings mismatch anywhere is detected
+    from the header, so every rank raises the same ``ValueError`` after the first gather and none
+    is left waiting in the second.
 
     Raises:
         ValueError: on every rank, naming each bad rank and its problem.
     """
     world = dist.get_world_size(group)
     device = _meta_device(group)
-    header, rows = _local_header(pixel_values, grid_thw, merge_size)
+    header, rows = _local_header(pixel_values, grid_thw, merge_size, fingerprint)
     headers_R = torch.empty(world * len(header), dtype=torch.int64, device=device)
     dist.all_gather_single(headers_R, torch.tensor(header, dtype=torch.int64, device=device), group)
     headers = headers_R.view(world, len(header)).tolist()
     _raise_on_bad_input(headers)
+    with_pixels = [h for h in headers if h[_ROW_NUMEL]] or [[0] * len(header)]
+    numel, dtype_code = with_pixels[0][_ROW_NUMEL], with_pixels[0][_DTYPE]
     max_rows = max(h[_NUM_ROWS] for h in headers)
     if max_rows == 0:
-        return [[] for _ in range(world)]
+        return Gathered([[] for _ in range(world)], numel, dtype_code)
     padded = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
     if rows:
         padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
     grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
     dist.all_gather_single(grids_R, padded.flatten(), group)
     grids = grids_R.view(world, max_rows, 3).tolist()
-    return [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
+    return Gathered([grids[r][: headers[r][_NUM_ROWS]] for r in range(world)], numel, dtype_code)
+
+
+def settings_fingerprint(planner: str, merge_size: int, world_size: int) -> int:
+    """A 56-bit digest of everything that shapes the plan besides the data (config, cost model,
+    unit rule: all in ``planner``), the same in every process: ranks compare it."""
+    text = f"{planner}|{merge_size}|{world_size}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
 def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
@@ -191,6 +241,22 @@ def local_routing(
         recv_rows[src] += rows_R[src][idx]
     dummy_rows = merge_size**2 if not plan.assignment[rank] else 0
     return Routing(plan.applied, rows_R[rank], dest, send_rows, recv_rows, dummy_rows)
+
+
+def local_only_routing(
+    grid: list[list[int]], rank: int, world_size: int, merge_size: int
+) -> Routing:
+    """Routing that keeps every local unit home and moves nothing (balancing inactive), with
+    the dummy unit when the local batch is empty, as every compiled graph expects."""
+    rows = [t * h * w for t, h, w in grid]
+    return Routing(
+        applied=False,
+        unit_rows=rows,
+        dest=[rank] * len(rows),
+        send_rows=[0] * world_size,
+        recv_rows=[0] * world_size,
+        dummy_rows=0 if rows else merge_size**2,
+    )
 
 
 def balanced_grid(
@@ -343,14 +409,14 @@ def _meta_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def _local_header(
-    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int, fingerprint: int
 ) -> tuple[list[int], list[list[int]]]:
     """``(header, grid rows)``; a bad input sets a status code and sends no rows."""
     dtype_code = _DTYPES.index(pixel_values.dtype) if pixel_values.dtype in _DTYPES else -1
     numel = _row_numel(pixel_values) if pixel_values.dim() >= 1 else 0
     pixel_rows = pixel_values.shape[0] if pixel_values.dim() >= 1 else 0
     status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw, merge_size, dtype_code)
-    header = [status, arg0, arg1, len(rows), pixel_rows, numel, dtype_code]
+    header = [status, arg0, arg1, len(rows), pixel_rows, numel, dtype_code, fingerprint]
     return header, rows
 
 
@@ -393,12 +459,20 @@ def _raise_on_bad_input(headers: list[list[int]]) -> None:
         for r, h in enumerate(headers)
         if h[_STATUS]
     ]
+    if not problems and len({h[_FINGERPRINT] for h in headers}) > 1:
+        problems = [
+            "ranks disagree on the balancing settings (config, cost model, merge size, "
+            "world size or unit rule; every rank must use the same)"
+        ]
+        problems += [f"rank {r}: settings {h[_FINGERPRINT]:014x}" for r, h in enumerate(headers)]
     if not problems:
-        kinds = {(h[_DTYPE], h[_ROW_NUMEL]) for h in headers}
+        # A rank that passed None (a [0, 0] stand-in) receives rows in the others' layout.
+        kinds = {(h[_DTYPE], h[_ROW_NUMEL]) for h in headers if h[_ROW_NUMEL]}
         if len(kinds) > 1:
             problems = [
                 f"rank {r}: pixel_values dtype {_DTYPES[h[_DTYPE]]}, {h[_ROW_NUMEL]} values/row"
                 for r, h in enumerate(headers)
+                if h[_ROW_NUMEL]
             ]
             problems.insert(0, "ranks disagree on pixel_values dtype or row width")
     if problems:

@@ -20,6 +20,9 @@ Conventions (each one fixes a failure seen on torch 2.13):
 - Each move's backward is the opposite move (``redistribute`` <-> ``restore``).
 """
 
+import dataclasses
+import math
+
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import guard_or_false
@@ -32,9 +35,11 @@ from fx_vitbal.exchange import (
     exchange,
     from_blocks,
     gather_grids,
+    local_only_routing,
     local_routing,
     plan_units,
     routing_size,
+    settings_fingerprint,
     with_dummy,
 )
 
@@ -52,11 +57,15 @@ def plan(
     planner: str,
     world_size: int,
     group_name: str,
+    active: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``.
 
     The balanced grid lists this rank's units in arrival order (the original grid when the plan
-    is not applied). ``planner`` is ``exchange.planner_spec(config, cost_model)``.
+    is not applied), or the dummy unit ``[1, m, m]`` when there are none. ``planner`` is
+    ``exchange.planner_spec(config, cost_model)``; its fingerprint rides in the metadata, so
+    ranks with different settings all raise. ``active=False`` (balancing off for this call,
+    e.g. eval mode) gathers nothing: the local batch stays home and no collective runs in any op.
     """
     group = resolve_group(group_name)
     if dist.get_world_size(group) != world_size:
@@ -65,15 +74,26 @@ def plan(
             "ranks"
         )
     rank = dist.get_rank(group)
-    grids_R = gather_grids(pixel_values, grid_thw, merge_size, group)
-    solved, units_R = plan_units(grids_R, rank, planner)
-    routing = local_routing(solved, units_R, rank, merge_size)
-    routing = routing.to_tensor(max_units(pixel_values.shape[0], merge_size))
+    units = max_units(pixel_values.shape[0], merge_size)
+    if not active:
+        routing = local_only_routing(grid_thw.tolist(), rank, world_size, merge_size)
+        rows = grid_thw.tolist() or [[1, merge_size, merge_size]]
+        grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device)
+        return grid, routing.to_tensor(units)
+    fingerprint = settings_fingerprint(planner, merge_size, world_size)
+    gathered = gather_grids(pixel_values, grid_thw, merge_size, group, fingerprint)
+    solved, units_R = plan_units(gathered.grids_R, rank, planner)
+    routing = dataclasses.replace(
+        local_routing(solved, units_R, rank, merge_size),
+        any_units=any(units_R),
+        row_numel=gathered.row_numel,
+        dtype_code=gathered.dtype_code,
+    )
     rows = balanced_grid(solved, units_R, rank, merge_size)
     if not solved.applied:  # the original batch, plus the dummy unit if it is empty
         rows = grid_thw.tolist() or rows
     grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device)
-    return grid, routing
+    return grid, routing.to_tensor(units)
 
 
 def max_units(pixel_rows: int, merge_size: int) -> int:
@@ -82,7 +102,7 @@ def max_units(pixel_rows: int, merge_size: int) -> int:
 
 
 @plan.register_fake
-def _(pixel_values, grid_thw, merge_size, planner, world_size, group_name):
+def _(pixel_values, grid_thw, merge_size, planner, world_size, group_name, active=True):
     ctx = torch.library.get_ctx()
     grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit
     size = routing_size(max_units(pixel_values.shape[0], merge_size), world_size)
@@ -107,6 +127,9 @@ def redistribute(
     blocks); otherwise the result has a fresh data-dependent size of at least one block (every
     rank computes at least the dummy unit).
     """
+    if out_blocks is None:  # forward: a rank that passed no pixels gets rows like the others'
+        route = Routing.from_tensor(routing)
+        xs = [_shaped_like_the_others(x, route) for x in xs]
     return _move(xs, routing, merge_area, block_rows, False, group_name)
 
 
@@ -188,6 +211,14 @@ def _move(xs, routing, merge_area, block_rows, reverse, group_name):
     if not reverse:
         blocks_xs = with_dummy(blocks_xs, dummy, add=True)
     return [from_blocks(b, x, n) for b, x, n in zip(blocks_xs, xs, block_rows, strict=True)]
+
+
+def _shaped_like_the_others(x: torch.Tensor, route: Routing) -> torch.Tensor:
+    if x.shape[0] or not route.row_numel:
+        return x
+    if math.prod(x.shape[1:]) == route.row_numel and x.dtype == route.dtype:
+        return x
+    return x.new_empty(0, route.row_numel, dtype=route.dtype)
 
 
 def _setup_context(ctx, inputs, output):

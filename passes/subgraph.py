@@ -45,10 +45,13 @@ def insert_plan_and_redistribute(
     planner: str,
     world_size: int,
     group_name: str,
+    active: fx.Node | bool,
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Add ``plan`` and ``redistribute`` at the insertion point; return the balanced pixels,
-    the balanced grid and the routing (shared by both kinds of ViT call)."""
-    plan = graph.call_function(_PLAN, (pixels, grid, merge, planner, world_size, group_name))
+    the balanced grid and the routing (shared by both kinds of ViT call). ``active`` (balancing
+    on for this call) is a node when the graph decides it as it runs."""
+    args = (pixels, grid, merge, planner, world_size, group_name, active)
+    plan = graph.call_function(_PLAN, args)
     grid_b = graph.call_function(operator.getitem, (plan, 0))
     routing = graph.call_function(operator.getitem, (plan, 1))
     area = merge * merge
@@ -72,9 +75,18 @@ def vit_subgraph_calls(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def rewrite_subgraph_call(
-    gm: fx.GraphModule, node: fx.Node, planner: str, merge: int, group_name: str, world_size: int
+    gm: fx.GraphModule,
+    node: fx.Node,
+    planner: str,
+    merge: int,
+    active: bool,
+    group_name: str,
+    world_size: int,
 ) -> None:
     """Insert plan -> redistribute before ``node`` and restore after it (see module doc).
+
+    ``active`` is decided when the backend compiles: dynamo guards the ViT's training flag, so
+    toggling it compiles another graph.
 
     Raises:
         ValueError: operands or outputs the rewrite cannot place (see module doc).
@@ -94,7 +106,7 @@ def rewrite_subgraph_call(
             )
     with graph.inserting_before(node):
         pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph, pixels, grid, merge, planner, world_size, group_name
+            graph, pixels, grid, merge, planner, world_size, group_name, active
         )
         sizes = {
             _symbol(pixels): graph.call_function(_SYM_SIZE, (pixels_b, 0)),

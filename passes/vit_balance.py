@@ -21,6 +21,7 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.encoder import (
     find_vit,
     group_name_and_size,
+    in_balancing_mode,
     is_balanced_in_place,
     planner_for,
     regenerate_window_index,
@@ -85,7 +86,9 @@ def apply_vit_balance_pass(
 
     After (``area = merge**2``)::
 
-        grid_b, routing = vitbal.plan(pixel_values, image_grid_thw, merge, planner, world, group)
+        active = in_balancing_mode(visual, when)  # the ViT trains, or when == "always"
+        grid_b, routing = vitbal.plan(pixel_values, image_grid_thw, merge, planner, world, group,
+                                      active)
         pixels_b = vitbal.redistribute([pixel_values], routing, area, [area], None, group)[0]
         vis = visual(pixels_b, grid_b)
         layouts = output_block_rows([vis[0], vis[2][0]], pixels_b.size(0), area)
@@ -129,7 +132,7 @@ def apply_vit_balance_pass(
         module = gm.get_submodule(target)
         planner, merge = planner_for(module, config)
         for node in calls:
-            _rewrite(gm, node, module, planner, merge, *dist_info)
+            _rewrite(gm, node, module, planner, merge, config.when, *dist_info)
     regions = vit_subgraph_calls(gm)
     if regions:
         if not isinstance(vit, nn.Module):
@@ -138,8 +141,9 @@ def apply_vit_balance_pass(
                 "(backend option 'vit') so the pass knows its merge size and cost model"
             )
         planner, merge = planner_for(vit, config)
+        active = in_balancing_mode(vit, config.when)
         for node in regions:
-            rewrite_subgraph_call(gm, node, planner, merge, *dist_info)
+            rewrite_subgraph_call(gm, node, planner, merge, active, *dist_info)
     if calls or regions:
         gm.graph.lint()
         gm.recompile()
@@ -166,15 +170,17 @@ def _already_balanced(node: fx.Node) -> bool:
     )
 
 
-def _rewrite(gm, node, module, planner, merge, group_name, world_size) -> None:
+def _rewrite(gm, node, module, planner, merge, when, group_name, world_size) -> None:
     graph = gm.graph
     uses = _index_users(node)
     bound = inspect.signature(unwrap_module(module).forward).bind(*node.args, **node.kwargs)
     pixels_name, grid_name = list(bound.arguments)[:2]
     pixels, grid = bound.arguments[pixels_name], bound.arguments[grid_name]
     with graph.inserting_before(node):
+        # Decided as the graph runs: in eval mode (unless when="always") nothing is collective.
+        active = graph.call_function(in_balancing_mode, (graph.get_attr(node.target), when))
         pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph, pixels, grid, merge, planner, world_size, group_name
+            graph, pixels, grid, merge, planner, world_size, group_name, active
         )
     bound.arguments[pixels_name] = pixels_b
     bound.arguments[grid_name] = grid_b

@@ -87,7 +87,12 @@ def train_step(
     logits.pow(2).mean().backward()
     if not reduce_grads:
         return logits.detach()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    grads = torch.cat(  # frozen parameters have no gradient: zeros stand in
+        [
+            p.grad.flatten() if p.grad is not None else p.new_zeros(p.numel())
+            for p in model.parameters()
+        ]
+    )
     dist.all_reduce(grads)
     model.zero_grad(set_to_none=True)
     return logits.detach(), grads

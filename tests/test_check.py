@@ -94,8 +94,10 @@ def test_reference_vit_passes_with_frames_checked_and_stays_untouched(config):
     assert report.ok, str(report)
     assert report.frame_independent
     assert report.dtype == torch.float64
-    assert set(report.layouts.values()) == {"merged"}
-    assert len(report.layouts) == 1 + len(config.deepstack_indexes)
+    # The reference ViT's default: pre-merger embeddings, merged deepstack features.
+    assert report.layouts == {"embeddings": "pre-merger"} | {
+        f"deepstack[{k}]": "merged" for k in range(len(config.deepstack_indexes))
+    }
     assert next(vit.parameters()).dtype == torch.float32
     assert vit.training
 

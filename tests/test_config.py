@@ -35,6 +35,7 @@ def parse(argv: list[str]) -> BalanceConfig:
         ("cost_model", "cubic"),
         ("strategy", "greedy"),
         ("skip_rule", "never"),
+        ("when", "eval"),
         ("min_gain", -0.1),
         ("min_gain", 1.0),
         ("min_gain", math.nan),
@@ -114,10 +115,13 @@ def test_every_flag_reaches_its_field():
             "0.01",
             "--dp-balance-max-iters-vit",
             "7",
+            "--dp-balance-when-vit",
+            "always",
         ]
     )
     expected = BalanceConfig(
         enabled=True,
+        when="always",
         trigger_threshold=0.3,
         max_len_ratio=1.5,
         tolerance=0.01,

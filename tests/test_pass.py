@@ -46,10 +46,12 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
         )
         apply_vit_balance_pass(gm, config=QUADRATIC, **FIXED)
         self.assertExpectedInline(
-            _head(gm.code, 21),
+            _head(gm.code, 25),
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0');  image_grid_thw = None
+    visual_1 = self.visual
+    in_balancing_mode = fx_vitbal_encoder_in_balancing_mode(visual_1, 'training');  visual_1 = None
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0', in_balancing_mode);  image_grid_thw = in_balancing_mode = None
     getitem_7 = plan_default[0]
     getitem_8 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 4, [4], None, '0')
@@ -68,7 +70,9 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     projector_norm = self.projector.norm(getitem_13);  getitem_13 = None
     unflatten = projector_norm.unflatten(0, (-1, 4));  projector_norm = None
     flatten = unflatten.flatten(1);  unflatten = None
-    projector_mlp_0 = getattr(self.projector.mlp, "0")(flatten);  flatten = None""",
+    projector_mlp_0 = getattr(self.projector.mlp, "0")(flatten);  flatten = None
+    projector_mlp_1 = getattr(self.projector.mlp, "1")(projector_mlp_0);  projector_mlp_0 = None
+    projector_mlp_2 = getattr(self.projector.mlp, "2")(projector_mlp_1);  projector_mlp_1 = None""",
         )
 
     def test_window_graph_regenerates_window_index_from_the_original_grid(self):
@@ -89,10 +93,12 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
         )
         apply_vit_balance_pass(gm, config=QUADRATIC, **FIXED)
         self.assertExpectedInline(
-            _head(gm.code, 23),
+            _head(gm.code, 25),
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0')
+    visual_1 = self.visual
+    in_balancing_mode = fx_vitbal_encoder_in_balancing_mode(visual_1, 'training');  visual_1 = None
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0', in_balancing_mode);  in_balancing_mode = None
     getitem_7 = plan_default[0]
     getitem_8 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 4, [4], None, '0')
@@ -105,8 +111,8 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     floordiv = size_1 // 4;  size_1 = None
     restore_default = torch.ops.vitbal.restore.default([getitem_10], getitem_8, 4, output_block_rows, floordiv, '0');  getitem_10 = getitem_8 = output_block_rows = floordiv = None
     getitem_11 = restore_default[0];  restore_default = None
-    visual_1 = self.visual
-    regenerate_window_index = fx_vitbal_encoder_regenerate_window_index(visual_1, image_grid_thw);  visual_1 = image_grid_thw = None
+    visual_2 = self.visual
+    regenerate_window_index = fx_vitbal_encoder_regenerate_window_index(visual_2, image_grid_thw);  visual_2 = image_grid_thw = None
     argsort = torch.argsort(regenerate_window_index);  regenerate_window_index = None
     unflatten = getitem_11.unflatten(0, (-1, 4));  getitem_11 = None
     getitem_2 = unflatten[argsort];  unflatten = argsort = None

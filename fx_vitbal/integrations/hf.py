@@ -16,8 +16,9 @@
    so the backward of ``restore`` (a collective) runs there as well, at the same point as on the
    other ranks.
 
-Balancing is active while the tower is in training mode with more than one rank; in eval mode
-(``generate``, where ranks take different numbers of steps) the tower runs unchanged.
+Balancing is active with more than one rank while the tower trains (or always, with
+``BalanceConfig(when="always")``); otherwise (``generate``, where ranks take different numbers of
+steps) the tower runs unchanged and issues no collective.
 The balanced tower returns ``last_hidden_state=None`` (no parent reads it; restoring it would
 more than double the return traffic), and rejects ``output_hidden_states`` /
 ``output_attentions``. Precomputed per-batch kwargs (``cu_seqlens``, ``window_index``, ...) are
@@ -37,7 +38,7 @@ from torch import nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
-from fx_vitbal.encoder import group_name_and_size, run_balanced
+from fx_vitbal.encoder import balancing_active, group_name_and_size, run_balanced
 from fx_vitbal.exchange import planner_spec
 
 # Popped by transformers.vision_utils helpers; they describe the pre-balance packed batch.
@@ -213,7 +214,7 @@ def architecture_cost(tower: nn.Module) -> ArchitectureCost:
 def _balanced_forward(tower, original, hidden_states, grid_thw, **kwargs):
     config, group, planner, _ = tower._vitbal_hf
     dist_info = group_name_and_size(group)
-    if not (config.enabled and tower.training and dist_info is not None):
+    if not (dist_info is not None and balancing_active(tower, config)):
         return original(hidden_states, grid_thw=grid_thw, **kwargs)
     for flag in ("output_hidden_states", "output_attentions"):
         if kwargs.pop(flag, None):
@@ -243,7 +244,7 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     the ``vitbal`` backend refuses graphs that do (an unwrapped VLM).
     """
     config, group, _, rule = tower._vitbal_hf
-    active = config.enabled and tower.training and group_name_and_size(group) is not None
+    active = group_name_and_size(group) is not None and balancing_active(tower, config)
     kwargs = {**dict(zip(params, args, strict=False)), **kwargs}
     if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):
         return None

@@ -1,0 +1,129 @@
+"""Lockstep at every seam: eval mode, settings that differ between ranks, ranks passing None, ranks
+and steps without images. Each test would hang or raise on one rank only without the guarantee
+(gloo's collective timeout is 60 s, so a hang fails the test instead of stalling it)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
+
+import fx_vitbal
+from fx_vitbal.models import LMConfig, OmniEncoderModel, QwenStyleViT, ViTConfig, make_inputs
+from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+
+SKEWED = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]
+
+
+def _model() -> OmniEncoderModel:
+    torch.manual_seed(0)
+    return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
+
+
+class _NoEmptyBatches(QwenStyleViT):
+    """Like many real towers, it cannot take a batch without rows."""
+
+    def forward(self, pixel_values, image_grid_thw):
+        if not pixel_values.shape[0]:
+            raise RuntimeError("empty batch")
+        return super().forward(pixel_values, image_grid_thw)
+
+
+def _eval_on_rank_0_only(rank: int, world: int) -> int:
+    paths = {
+        "eager": lambda m, *a: fx_vitbal.dp_balance_vit_encoder(m.visual, *a[1:])[0],
+        "in_place": lambda m, *a: fx_vitbal.enable_vit_balance(m)(*a),
+        "fx": lambda m, *a: apply_vit_balance_pass(symbolic_trace(m))(*a),
+    }
+    ran = 0
+    if rank == 0:  # validation on one rank: any collective would wait for rank 1 forever
+        for run in paths.values():
+            model = _model().eval()
+            with torch.no_grad():
+                run(model, *make_inputs(SKEWED[0], in_dim=24))
+            ran += 1
+    dist.barrier()
+    return ran
+
+
+def test_eval_mode_issues_no_collective_in_any_path():
+    assert run_ranks(_eval_on_rank_0_only, 2) == [3, 0]
+
+
+def _frozen_vit_always(rank: int, world: int) -> dict:
+    config = fx_vitbal.BalanceConfig(when="always")
+    reference = _model()
+    reference.visual.eval().requires_grad_(False)  # LLaVA-style stage 2: a frozen ViT
+    want = train_step(reference, SKEWED[rank], rank)
+    model = _model()
+    model.visual.eval().requires_grad_(False)
+    fx_vitbal.enable_vit_balance(model, config=config)
+    with record_moves() as moves:
+        got = train_step(model, SKEWED[rank], rank)
+    return {"got": got, "want": want, "moves": moves}
+
+
+def test_a_frozen_vit_in_eval_mode_is_balanced_with_when_always():
+    results = run_ranks(_frozen_vit_always, 3)
+    for res in results:
+        for got, want in zip(res["got"], res["want"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_units_moved(results)
+
+
+def _settings_differ(rank: int, world: int) -> list[str]:
+    vit = _model().visual
+    _, pixels, grid = make_inputs(SKEWED[rank], in_dim=24, seed=rank)
+    coeffs = (1.0, 2.0, 3.0) if rank != 2 else (1.0, 2.0, 4.0)
+    config = fx_vitbal.BalanceConfig(cost_model="polynomial", cost_coeffs=coeffs)
+    with pytest.raises(ValueError) as info:
+        fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, config=config)
+    fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)  # same settings again: a good step
+    return [str(info.value)]
+
+
+def test_ranks_with_different_settings_all_raise_the_same_error():
+    messages = run_ranks(_settings_differ, 3)
+    assert messages[0] == messages[1] == messages[2]
+    text = messages[0][0]
+    assert "ranks disagree on the balancing settings" in text
+    fingerprints = [text.split(f"rank {r}: settings ")[1][:14] for r in range(3)]
+    assert fingerprints[0] == fingerprints[1] != fingerprints[2]
+
+
+def _none_and_empty(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    vit = _NoEmptyBatches(ViTConfig(deepstack_indexes=(0,)))
+    out = {}
+    # Rank 2 has no image and says so with None; rank 1 has an empty tensor on a skipped step.
+    steps = {"applied": SKEWED, "skipped": [[[1, 4, 4]], [], [[1, 4, 4]]], "no_images": [[]] * 3}
+    for name, grids in steps.items():
+        _, pixels, grid = make_inputs(grids[rank], in_dim=24, seed=rank)
+        args = (None, None) if rank == 2 else (pixels, grid)
+        with record_moves() as moves:
+            embeds, _, deepstack = fx_vitbal.dp_balance_vit_encoder(vit, *args)
+        loss = embeds.sum() + deepstack[0].sum()
+        if loss.requires_grad:  # not on a step without images: nothing ran with gradients
+            loss.backward()
+        grads = [p.grad for p in vit.parameters()]
+        out[name] = {
+            "shapes": [tuple(embeds.shape), tuple(deepstack[0].shape)],
+            "rows": pixels.shape[0],
+            "moves": moves,
+            "grads": "none" if all(g is None for g in grads) else "some",
+        }
+        vit.zero_grad(set_to_none=True)
+    return out
+
+
+def test_none_pixels_and_empty_ranks_take_part_and_the_vit_never_sees_zero_rows():
+    results = run_ranks(_none_and_empty, 3)
+    for rank, res in enumerate(results):
+        for name in ("applied", "skipped", "no_images"):
+            rows = res[name]["rows"] if rank != 2 else 0
+            # Empty outputs of the ViT's width on ranks without images (pre-merger 32, deepstack
+            # merged 32), the full ones elsewhere.
+            assert res[name]["shapes"] == [(rows, 32), (rows // 4, 32)], (rank, name)
+        # A step where no rank has an image runs nothing with gradients, as without balancing.
+        assert res["no_images"]["grads"] == "none"
+        assert res["applied"]["grads"] == "some"
+    assert_units_moved([res["applied"] for res in results])
