@@ -73,3 +73,34 @@ def test_without_a_process_group_the_balanced_call_is_the_plain_call():
     want = vit(pixels, grid)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+class _Undeclared(nn.Module):
+    spatial_merge_size = 2
+
+    def forward(self, pixel_values, image_grid_thw):
+        return pixel_values, None, []
+
+
+def test_an_undeclared_vit_is_logged_once_with_what_registering_would_unlock(caplog):
+    vit = _Undeclared()
+    with caplog.at_level("WARNING", logger="fx_vitbal.encoder"):
+        for _ in range(3):
+            fx_vitbal.encoder.planner_for(vit, fx_vitbal.BalanceConfig())
+    messages = [r.getMessage() for r in caplog.records if "_Undeclared" in r.getMessage()]
+    assert len(messages) == 1
+    assert "frame splitting and the architecture cost model" in messages[0]
+
+
+def test_world_size_without_a_process_group_warns_once_and_runs_plain(caplog, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    fx_vitbal.encoder._warn_if_launched_without_group.cache_clear()
+    vit = QwenStyleViT(ViTConfig())
+    _, pixels, grid = make_inputs([[1, 4, 4]], in_dim=24)
+    with caplog.at_level("WARNING", logger="fx_vitbal.encoder"):
+        for _ in range(2):
+            got = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+    warnings = [r.getMessage() for r in caplog.records if "WORLD_SIZE=4" in r.getMessage()]
+    assert len(warnings) == 1 and "init_process_group" in warnings[0]
+    torch.testing.assert_close(got[0], vit(pixels, grid)[0], rtol=0, atol=0)
+    fx_vitbal.encoder._warn_if_launched_without_group.cache_clear()
