@@ -338,7 +338,7 @@ def run_balanced(run, pixel_values, image_grid_thw, merge, planner, dist_info):
     area = merge * merge
     grid, routing = ops.plan(pixel_values, image_grid_thw, merge, planner, world_size, group_name)
     if not torch.compiler.is_compiling():
-        route = Routing.from_tensor(routing)
+        route = Routing.of(routing)
         if not route.any_units:
             return _without_images(run, pixel_values, route, area)
         if not route.applied and pixel_values.shape[0]:

@@ -30,6 +30,8 @@ _plan_calls = itertools.count(1)  # the step number --dp-balance-verbose prints
 
 # Dtypes a pixel tensor may have; the index is what travels in the metadata header.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# Grid rows that ride in the metadata header; ranks with more need a second gather.
+INLINE_GRID_ROWS = 32
 # Header fields gathered from every rank, one int64 row per rank.
 _STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT = range(8)
 
@@ -63,6 +65,9 @@ class Routing:
     any_units: bool = True
     row_numel: int = 0
     dtype_code: int = 0
+    permutations: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """Row permutations already built for this step, by ``(shrink, device)``: the four moves
+    of a step (two forward, two backward) build and copy each one once."""
 
     def to_tensor(self, max_units: int) -> torch.Tensor:
         header = [
@@ -79,6 +84,25 @@ class Routing:
         if padding < 0:
             raise ValueError(f"{len(self.unit_rows)} units do not fit in max_units={max_units}")
         return torch.tensor(values + [0] * padding, dtype=torch.int64)
+
+    @classmethod
+    def of(cls, routing: torch.Tensor) -> "Routing":
+        """``from_tensor``, parsed once per routing tensor (every op of a step shares it)."""
+        parsed = getattr(routing, "_vitbal_routing", None)
+        if parsed is None:
+            parsed = cls.from_tensor(routing)
+            routing._vitbal_routing = parsed
+        return parsed
+
+    def permutation(self, shrink: int, device: torch.device) -> torch.Tensor | None:
+        """Row indices that put this rank's units in destination order (None: identity)."""
+        key = (shrink, device)
+        if key not in self.permutations:
+            rows_U = [n // shrink for n in self.unit_rows]
+            order_U = sorted(range(len(rows_U)), key=lambda i: (self.dest[i], i))
+            perm = _row_permutation(rows_U, order_U)
+            self.permutations[key] = None if perm is None else perm.to(device)
+        return self.permutations[key]
 
     @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
@@ -147,26 +171,35 @@ def gather_grids(
 ) -> Gathered:
     """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
 
-    Two gathers: a fixed-size header (status, counts, dtype, settings fingerprint), then the
-    grids padded to the largest count. A bad input or a settings mismatch anywhere is detected
-    from the header, so every rank raises the same ``ValueError`` after the first gather and none
-    is left waiting in the second.
+    One gather of a fixed-size header (status, counts, dtype, settings fingerprint) that also
+    carries the first ``INLINE_GRID_ROWS`` grid rows; only when some rank has more rows does a
+    second gather send the grids padded to the largest count. A bad input or a settings mismatch
+    anywhere is detected from the header, so every rank raises the same ``ValueError`` after the
+    first gather and none is left waiting in the second.
 
     Raises:
         ValueError: on every rank, naming each bad rank and its problem.
     """
     world = dist.get_world_size(group)
-    device = _meta_device(group)
+    device = meta_device(group, pixel_values.device)
     header, rows = _local_header(pixel_values, grid_thw, merge_size, fingerprint)
-    headers_R = torch.empty(world * len(header), dtype=torch.int64, device=device)
-    dist.all_gather_single(headers_R, torch.tensor(header, dtype=torch.int64, device=device), group)
-    headers = headers_R.view(world, len(header)).tolist()
+    inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
+    local = torch.tensor(header + sum(inline, []), dtype=torch.int64, device=device)
+    gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_single(gathered, local, group)
+    values = gathered.view(world, local.numel()).tolist()
+    headers = [v[: len(header)] for v in values]
     _raise_on_bad_input(headers)
     with_pixels = [h for h in headers if h[_ROW_NUMEL]] or [[0] * len(header)]
     numel, dtype_code = with_pixels[0][_ROW_NUMEL], with_pixels[0][_DTYPE]
     max_rows = max(h[_NUM_ROWS] for h in headers)
-    if max_rows == 0:
-        return Gathered([[] for _ in range(world)], numel, dtype_code)
+    if max_rows <= INLINE_GRID_ROWS:  # the usual step: one collective, one host read
+        flat_R = [v[len(header) :] for v in values]
+        grids_R = [
+            [flat[3 * i : 3 * i + 3] for i in range(h[_NUM_ROWS])]
+            for flat, h in zip(flat_R, headers, strict=True)
+        ]
+        return Gathered(grids_R, numel, dtype_code)
     padded = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
     if rows:
         padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
@@ -311,7 +344,7 @@ def check_output_layouts(
         dtype = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
         header += [n if fits else -x.shape[0] - 1, dtype, _row_numel(x)]
     header += [0] * (1 + 3 * MAX_OUTPUTS - len(header))
-    device = _meta_device(group)
+    device = meta_device(group, xs[0].device)
     gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
     local = torch.tensor(header, dtype=torch.int64, device=device)
     dist.all_gather_single(gathered, local, group)
@@ -355,27 +388,34 @@ def exchange(
 
     All tensors travel in one ``all_to_all_single`` when they share a dtype (their trailing dims
     are flattened and concatenated), which is how deepstack layers ride with the embeddings.
+    Going out, the rows are put in destination order while they are packed; coming home, each
+    tensor's columns are written straight to their original rows of a fresh output tensor.
     """
-    rows_U = [n // shrink for n in routing.unit_rows]
     send_R = [n // shrink for n in routing.send_rows]
     recv_R = [n // shrink for n in routing.recv_rows]
-    order_U = sorted(range(len(rows_U)), key=lambda i: (routing.dest[i], i))
-    perm = _row_permutation(rows_U, order_U)
     in_splits, out_splits = (recv_R, send_R) if reverse else (send_R, recv_R)
     outs: list[torch.Tensor | None] = [None] * len(xs)
     for dtype in dict.fromkeys(x.dtype for x in xs):  # one exchange per dtype, in first-use order
         members = [i for i, x in enumerate(xs) if x.dtype == dtype]
         flats = [xs[i].reshape(xs[i].shape[0], _row_numel(xs[i])) for i in members]
-        flat = flats[0] if len(flats) == 1 else torch.cat(flats, 1)  # cat copies even one tensor
+        perm = routing.permutation(shrink, flats[0].device)
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats, 1)
         if perm is not None and not reverse:
-            flat = flat.index_select(0, perm.to(flat.device))
+            flat = flat.index_select(0, perm)
         moved = flat.new_empty(sum(out_splits), flat.shape[1])
         dist.all_to_all_single(moved, flat.contiguous(), out_splits, in_splits, group=group)
-        if perm is not None and reverse:
-            moved = torch.empty_like(moved).index_copy_(0, perm.to(moved.device), moved)
-        parts = moved.split([f.shape[1] for f in flats], dim=1)
-        if len(parts) > 1:  # custom-op outputs must not alias each other
-            parts = [torch.clone(part, memory_format=torch.contiguous_format) for part in parts]
+        widths = [f.shape[1] for f in flats]
+        if reverse and (perm is not None or len(flats) > 1):
+            parts = [moved.new_empty(moved.shape[0], w) for w in widths]
+            for part, column in zip(parts, moved.split(widths, dim=1), strict=True):
+                if perm is None:
+                    part.copy_(column)
+                else:
+                    part.index_copy_(0, perm, column)
+        elif len(flats) > 1:  # custom-op outputs must not alias each other (even empty ones)
+            parts = [p.clone(memory_format=torch.contiguous_format) for p in moved.split(widths, 1)]
+        else:
+            parts = [moved]
         for i, part in zip(members, parts, strict=True):
             outs[i] = part.reshape(part.shape[0], *xs[i].shape[1:])
     return outs
@@ -402,10 +442,21 @@ def _row_numel(x: torch.Tensor) -> int:
     return numel
 
 
-def _meta_device(group: dist.ProcessGroup) -> torch.device:
-    """Gloo gathers CPU tensors (no device sync for ``.tolist()``); NCCL needs the GPU."""
-    backend = str(dist.get_backend(group))
-    return torch.device("cpu") if "gloo" in backend else torch.device("cuda")
+def meta_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
+    """Where metadata is gathered: the CPU when the group has a CPU backend (gloo: reading the
+    result syncs no device), else the device of the data (``like``), else the device the group
+    is bound to, else the current accelerator. Never a hard-coded ``cuda``."""
+    if "gloo" in str(dist.get_backend(group)):
+        return torch.device("cpu")
+    if like.type != "cpu":
+        return like
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None:
+        return bound
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise ValueError(f"group {group.group_name!r} has no CPU backend and no device was found")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _local_header(

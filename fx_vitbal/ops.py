@@ -128,7 +128,7 @@ def redistribute(
     rank computes at least the dummy unit).
     """
     if out_blocks is None:  # forward: a rank that passed no pixels gets rows like the others'
-        route = Routing.from_tensor(routing)
+        route = Routing.of(routing)
         xs = [_shaped_like_the_others(x, route) for x in xs]
     return _move(xs, routing, merge_area, block_rows, False, group_name)
 
@@ -195,7 +195,7 @@ def output_block_rows(xs: list[torch.Tensor], pixel_rows: int, merge_area: int) 
 def _move(xs, routing, merge_area, block_rows, reverse, group_name):
     if not xs or len(xs) != len(block_rows):
         raise ValueError(f"vitbal moves need one block_rows entry per tensor, got {block_rows}")
-    route = Routing.from_tensor(routing)
+    route = Routing.of(routing)
     group = resolve_group(group_name)
     dummy = route.dummy_rows // merge_area
     if reverse and route.applied:
