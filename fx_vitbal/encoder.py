@@ -343,11 +343,25 @@ def run_balanced(run, pixel_values, image_grid_thw, merge, planner, dist_info):
             return _without_images(run, pixel_values, route, area)
         if not route.applied and pixel_values.shape[0]:
             return run(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
+        pixel_values = _taking_part(pixel_values, route)
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
     outputs, extra = run(pixels, grid)
     layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
     home_blocks = pixel_values.shape[0] // area
     return ops.restore(outputs, routing, area, layouts, home_blocks, group_name), extra
+
+
+def _taking_part(pixel_values: torch.Tensor, route: Routing) -> torch.Tensor:
+    """This rank's pixels as every rank's exchange expects them: a rank that passed None gets an
+    empty tensor in the others' row layout (so it can receive rows), and when any rank's pixels
+    require gradients, every rank's do, so all ranks run the backward exchange together (the
+    gradient of a stand-in is simply dropped)."""
+    width = math.prod(pixel_values.shape[1:])
+    if not pixel_values.shape[0] and route.row_numel and width != route.row_numel:
+        pixel_values = pixel_values.new_empty(0, route.row_numel, dtype=route.dtype)
+    if route.pixels_need_grad and not pixel_values.requires_grad:
+        pixel_values = pixel_values.detach().requires_grad_(True)
+    return pixel_values
 
 
 def _without_images(run, pixel_values, route, area):

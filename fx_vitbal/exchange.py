@@ -33,7 +33,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Grid rows that ride in the metadata header; ranks with more need a second gather.
 INLINE_GRID_ROWS = 32
 # Header fields gathered from every rank, one int64 row per rank.
-_STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT = range(8)
+_STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT, _GRAD = range(9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +47,15 @@ class Routing:
 
     ``any_units`` is False on a step where no rank has an image (every rank knows it from the
     gathered metadata); ``row_numel`` and ``dtype_code`` describe the pixel rows of the ranks
-    that passed a pixel tensor (0: none did), so a rank that passed None can still receive rows.
+    that passed a pixel tensor (0: none did), so a rank that passed None can still receive rows;
+    ``pixels_need_grad`` says whether any rank's pixels require gradients.
 
     Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
-    ``[applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code, send_rows_R,
-    recv_rows_R, unit_rows_U, dest_U]``, zero-padded to ``routing_size(max_units, world)``. The
-    padding gives the tensor a size known from the inputs (``max_units`` follows from the pixel
-    rows), so compiled graphs need no fresh data-dependent size for it.
+    ``[applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code,
+    pixels_need_grad, send_rows_R, recv_rows_R, unit_rows_U, dest_U]``, zero-padded to
+    ``routing_size(max_units, world)``. The padding gives the tensor a size known from the
+    inputs (``max_units`` follows from the pixel rows), so compiled graphs need no fresh
+    data-dependent size for it.
     """
 
     applied: bool
@@ -65,6 +67,7 @@ class Routing:
     any_units: bool = True
     row_numel: int = 0
     dtype_code: int = 0
+    pixels_need_grad: bool = False
     permutations: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """Row permutations already built for this step, by ``(shrink, device)``: the four moves
     of a step (two forward, two backward) build and copy each one once."""
@@ -78,6 +81,7 @@ class Routing:
             int(self.any_units),
             self.row_numel,
             self.dtype_code,
+            int(self.pixels_need_grad),
         ]
         values = header + self.send_rows + self.recv_rows + self.unit_rows + self.dest
         padding = routing_size(max_units, len(self.send_rows)) - len(values)
@@ -107,8 +111,8 @@ class Routing:
     @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
         values = routing.tolist()  # CPU tensor: no device sync
-        applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code = values[:7]
-        body = values[7:]
+        applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code, grad = values[:8]
+        body = values[8:]
         if len(body) < 2 * num_units + 2 * world:
             raise ValueError(f"malformed routing tensor of {len(values)} values")
         return cls(
@@ -121,6 +125,7 @@ class Routing:
             any_units=bool(any_units),
             row_numel=row_numel,
             dtype_code=dtype_code,
+            pixels_need_grad=bool(grad),
         )
 
     @property
@@ -131,7 +136,7 @@ class Routing:
 
 def routing_size(max_units: int, world_size: int) -> int:
     """Length of a packed routing tensor."""
-    return 7 + 2 * world_size + 2 * max_units
+    return 8 + 2 * world_size + 2 * max_units
 
 
 def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
@@ -160,6 +165,9 @@ class Gathered:
     """Values per pixel row, as the ranks that passed a pixel tensor have them (0: none did)."""
     dtype_code: int
     """Index in ``_DTYPES`` of their pixel dtype."""
+    pixels_need_grad: bool
+    """Some rank's pixels require gradients: every rank must then run the pixels' backward
+    exchange, whatever its own pixels say."""
 
 
 def gather_grids(
@@ -192,6 +200,7 @@ def gather_grids(
     _raise_on_bad_input(headers)
     with_pixels = [h for h in headers if h[_ROW_NUMEL]] or [[0] * len(header)]
     numel, dtype_code = with_pixels[0][_ROW_NUMEL], with_pixels[0][_DTYPE]
+    agreed = (numel, dtype_code, any(h[_GRAD] for h in headers))
     max_rows = max(h[_NUM_ROWS] for h in headers)
     if max_rows <= INLINE_GRID_ROWS:  # the usual step: one collective, one host read
         flat_R = [v[len(header) :] for v in values]
@@ -199,14 +208,14 @@ def gather_grids(
             [flat[3 * i : 3 * i + 3] for i in range(h[_NUM_ROWS])]
             for flat, h in zip(flat_R, headers, strict=True)
         ]
-        return Gathered(grids_R, numel, dtype_code)
+        return Gathered(grids_R, *agreed)
     padded = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
     if rows:
         padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
     grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
     dist.all_gather_single(grids_R, padded.flatten(), group)
     grids = grids_R.view(world, max_rows, 3).tolist()
-    return Gathered([grids[r][: headers[r][_NUM_ROWS]] for r in range(world)], numel, dtype_code)
+    return Gathered([grids[r][: headers[r][_NUM_ROWS]] for r in range(world)], *agreed)
 
 
 def settings_fingerprint(planner: str, merge_size: int, world_size: int) -> int:
@@ -467,7 +476,8 @@ def _local_header(
     numel = _row_numel(pixel_values) if pixel_values.dim() >= 1 else 0
     pixel_rows = pixel_values.shape[0] if pixel_values.dim() >= 1 else 0
     status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw, merge_size, dtype_code)
-    header = [status, arg0, arg1, len(rows), pixel_rows, numel, dtype_code, fingerprint]
+    grad = int(pixel_values.requires_grad)
+    header = [status, arg0, arg1, len(rows), pixel_rows, numel, dtype_code, fingerprint, grad]
     return header, rows
 
 

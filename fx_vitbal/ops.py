@@ -21,7 +21,6 @@ Conventions (each one fixes a failure seen on torch 2.13):
 """
 
 import dataclasses
-import math
 
 import torch
 import torch.distributed as dist
@@ -88,6 +87,7 @@ def plan(
         any_units=any(units_R),
         row_numel=gathered.row_numel,
         dtype_code=gathered.dtype_code,
+        pixels_need_grad=gathered.pixels_need_grad,
     )
     rows = balanced_grid(solved, units_R, rank, merge_size)
     if not solved.applied:  # the original batch, plus the dummy unit if it is empty
@@ -127,9 +127,6 @@ def redistribute(
     blocks); otherwise the result has a fresh data-dependent size of at least one block (every
     rank computes at least the dummy unit).
     """
-    if out_blocks is None:  # forward: a rank that passed no pixels gets rows like the others'
-        route = Routing.of(routing)
-        xs = [_shaped_like_the_others(x, route) for x in xs]
     return _move(xs, routing, merge_area, block_rows, False, group_name)
 
 
@@ -211,14 +208,6 @@ def _move(xs, routing, merge_area, block_rows, reverse, group_name):
     if not reverse:
         blocks_xs = with_dummy(blocks_xs, dummy, add=True)
     return [from_blocks(b, x, n) for b, x, n in zip(blocks_xs, xs, block_rows, strict=True)]
-
-
-def _shaped_like_the_others(x: torch.Tensor, route: Routing) -> torch.Tensor:
-    if x.shape[0] or not route.row_numel:
-        return x
-    if math.prod(x.shape[1:]) == route.row_numel and x.dtype == route.dtype:
-        return x
-    return x.new_empty(0, route.row_numel, dtype=route.dtype)
 
 
 def _setup_context(ctx, inputs, output):

@@ -127,3 +127,38 @@ def test_none_pixels_and_empty_ranks_take_part_and_the_vit_never_sees_zero_rows(
         assert res["no_images"]["grads"] == "none"
         assert res["applied"]["grads"] == "some"
     assert_units_moved([res["applied"] for res in results])
+
+
+def _pixel_grads_on_some_ranks(rank: int, world: int) -> list:
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
+    _, pixels, grid = make_inputs(SKEWED[rank], in_dim=24, seed=rank, dtype=torch.float64)
+    results = []
+    for other in ("none", "no_grad"):  # what the ranks other than 0 pass
+        if rank == 0:
+            pixels.requires_grad_(True)
+            args = (pixels, grid)
+        else:
+            args = (None, None) if other == "none" else (pixels, grid)
+        with record_moves() as moves:
+            embeds, _, deepstack = fx_vitbal.dp_balance_vit_encoder(vit, *args)
+            (embeds.pow(2).sum() + deepstack[0].sum()).backward()
+        if rank == 0:
+            got = pixels.grad
+            pixels.grad = None
+            ref_embeds, _, ref_deep = vit(pixels, grid)
+            (ref_embeds.pow(2).sum() + ref_deep[0].sum()).backward()
+            results.append((got, pixels.grad, len(moves)))
+            pixels.grad = None
+        else:
+            results.append((None, None, len(moves)))
+        vit.zero_grad(set_to_none=True)
+    return results
+
+
+def test_pixel_gradients_on_one_rank_keep_every_rank_in_the_backward_exchange():
+    results = run_ranks(_pixel_grads_on_some_ranks, 3)
+    for got, want, _ in results[0]:
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    # Pixels out, outputs home, output grads out, pixel grads home: 4 exchanges on every rank.
+    assert [[n for *_, n in res] for res in results] == [[4, 4]] * 3
