@@ -6,8 +6,7 @@ skewed or balanced batches, a trigger threshold that skips every plan, the eager
 path, eval mode on every rank, and a bad input on one random rank. Each step must equal the
 unbalanced run on every rank (outputs, deepstack, window_index, all-reduced parameter gradients)
 or raise the same ``ValueError`` on every rank; a good step follows every bad one. Pixels do not
-require gradients, as in training: where some ranks' pixels do and others' do not (a rank passing
-``None``), only the former run ``redistribute``'s backward, a collective, and the ranks desync.
+require gradients, as in training (``test_lockstep.py`` covers ranks whose pixels differ in that).
 
 Every collective runs on a group with a short timeout, so a rank left waiting fails the test
 within seconds instead of stalling CI.
