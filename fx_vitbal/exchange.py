@@ -1,4 +1,5 @@
-"""The collective half of balancing: gather metadata, route units, move rows and move them back.
+"""The moving half of balancing: plan the gathered units, route them, move rows and move them
+back (the gathers that come first live in ``metadata.py``).
 
 Lockstep rule: every function here that talks to other ranks issues the same collectives in the
 same order on every rank, whatever that rank holds (no images, bad input). Every decision is taken
@@ -14,7 +15,6 @@ Shape suffixes: ``_R`` per rank, ``_U`` per local unit.
 """
 
 import dataclasses
-import hashlib
 import itertools
 import json
 from collections.abc import Sequence
@@ -24,16 +24,10 @@ import torch.distributed as dist
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import CostModel, cost_from_spec, cost_to_spec
+from fx_vitbal.metadata import DTYPES, row_numel
 from fx_vitbal.planner import Plan, solve_plan
 
 _plan_calls = itertools.count(1)  # the step number --dp-balance-verbose prints
-
-# Dtypes a pixel tensor may have; the index is what travels in the metadata header.
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# Grid rows that ride in the metadata header; ranks with more need a second gather.
-INLINE_GRID_ROWS = 32
-# Header fields gathered from every rank, one int64 row per rank.
-_STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT, _GRAD = range(9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +125,7 @@ class Routing:
     @property
     def dtype(self) -> torch.dtype:
         """The pixel dtype the ranks with pixels agree on."""
-        return _DTYPES[self.dtype_code]
+        return DTYPES[self.dtype_code]
 
 
 def routing_size(max_units: int, world_size: int) -> int:
@@ -153,76 +147,6 @@ def parse_planner_spec(spec: str) -> tuple[BalanceConfig, CostModel]:
     if config["cost_coeffs"] is not None:
         config["cost_coeffs"] = tuple(config["cost_coeffs"])
     return BalanceConfig(**config), cost_from_spec(fields["cost"])
-
-
-@dataclasses.dataclass(frozen=True)
-class Gathered:
-    """What ``gather_grids`` learned from every rank."""
-
-    grids_R: list[list[list[int]]]
-    """Every rank's ``[t, h, w]`` rows."""
-    row_numel: int
-    """Values per pixel row, as the ranks that passed a pixel tensor have them (0: none did)."""
-    dtype_code: int
-    """Index in ``_DTYPES`` of their pixel dtype."""
-    pixels_need_grad: bool
-    """Some rank's pixels require gradients: every rank must then run the pixels' backward
-    exchange, whatever its own pixels say."""
-
-
-def gather_grids(
-    pixel_values: torch.Tensor,
-    grid_thw: torch.Tensor,
-    merge_size: int,
-    group: dist.ProcessGroup,
-    fingerprint: int = 0,
-) -> Gathered:
-    """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
-
-    One gather of a fixed-size header (status, counts, dtype, settings fingerprint) that also
-    carries the first ``INLINE_GRID_ROWS`` grid rows; only when some rank has more rows does a
-    second gather send the grids padded to the largest count. A bad input or a settings mismatch
-    anywhere is detected from the header, so every rank raises the same ``ValueError`` after the
-    first gather and none is left waiting in the second.
-
-    Raises:
-        ValueError: on every rank, naming each bad rank and its problem.
-    """
-    world = dist.get_world_size(group)
-    device = meta_device(group, pixel_values.device)
-    header, rows = _local_header(pixel_values, grid_thw, merge_size, fingerprint)
-    inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
-    local = torch.tensor(header + sum(inline, []), dtype=torch.int64, device=device)
-    gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_single(gathered, local, group)
-    values = gathered.view(world, local.numel()).tolist()
-    headers = [v[: len(header)] for v in values]
-    _raise_on_bad_input(headers)
-    with_pixels = [h for h in headers if h[_ROW_NUMEL]] or [[0] * len(header)]
-    numel, dtype_code = with_pixels[0][_ROW_NUMEL], with_pixels[0][_DTYPE]
-    agreed = (numel, dtype_code, any(h[_GRAD] for h in headers))
-    max_rows = max(h[_NUM_ROWS] for h in headers)
-    if max_rows <= INLINE_GRID_ROWS:  # the usual step: one collective, one host read
-        flat_R = [v[len(header) :] for v in values]
-        grids_R = [
-            [flat[3 * i : 3 * i + 3] for i in range(h[_NUM_ROWS])]
-            for flat, h in zip(flat_R, headers, strict=True)
-        ]
-        return Gathered(grids_R, *agreed)
-    padded = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
-    if rows:
-        padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
-    grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
-    dist.all_gather_single(grids_R, padded.flatten(), group)
-    grids = grids_R.view(world, max_rows, 3).tolist()
-    return Gathered([grids[r][: headers[r][_NUM_ROWS]] for r in range(world)], *agreed)
-
-
-def settings_fingerprint(planner: str, merge_size: int, world_size: int) -> int:
-    """A 56-bit digest of everything that shapes the plan besides the data (config, cost model,
-    unit rule: all in ``planner``), the same in every process: ranks compare it."""
-    text = f"{planner}|{merge_size}|{world_size}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
 def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
@@ -324,66 +248,12 @@ def as_blocks(x: torch.Tensor, block_rows: int) -> torch.Tensor:
     when ``x`` is contiguous): pre-merger and merged outputs then line up unit by unit."""
     if block_rows < 1 or x.shape[0] % block_rows:
         raise ValueError(f"{tuple(x.shape)} cannot be cut into blocks of {block_rows} rows")
-    return x.reshape(x.shape[0] // block_rows, block_rows * _row_numel(x))
+    return x.reshape(x.shape[0] // block_rows, block_rows * row_numel(x))
 
 
 def from_blocks(blocks: torch.Tensor, like: torch.Tensor, block_rows: int) -> torch.Tensor:
     """Inverse of ``as_blocks``: rows of ``like``'s trailing shape."""
     return blocks.reshape(blocks.shape[0] * block_rows, *like.shape[1:])
-
-
-# Outputs whose layouts one rank reports to the others in ``check_output_layouts``.
-MAX_OUTPUTS = 16
-
-
-def check_output_layouts(
-    xs: Sequence[torch.Tensor], block_rows: Sequence[int], blocks: int, group: dist.ProcessGroup
-) -> None:
-    """Raise the same ``ValueError`` on every rank unless every rank's ViT outputs have rows
-    that fit their layout (``blocks * block_rows[i]``) and all ranks agree on each output's
-    layout, dtype and row width (one small gather of a fixed-size header).
-
-    Raises:
-        ValueError: on every rank, naming each rank and output at fault.
-    """
-    world = dist.get_world_size(group)
-    header = [len(xs)]
-    for x, n in list(zip(xs, block_rows, strict=True))[:MAX_OUTPUTS]:
-        fits = n > 0 and x.shape[0] == blocks * n
-        dtype = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
-        header += [n if fits else -x.shape[0] - 1, dtype, _row_numel(x)]
-    header += [0] * (1 + 3 * MAX_OUTPUTS - len(header))
-    device = meta_device(group, xs[0].device)
-    gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
-    local = torch.tensor(header, dtype=torch.int64, device=device)
-    dist.all_gather_single(gathered, local, group)
-    headers = gathered.view(world, len(header)).tolist()
-    problems = []
-    for r, h in enumerate(headers):
-        if h[0] > MAX_OUTPUTS:
-            problems.append(f"rank {r}: {h[0]} ViT outputs, at most {MAX_OUTPUTS} can be restored")
-        for i in range(min(h[0], MAX_OUTPUTS)):
-            if h[1 + 3 * i] < 0:
-                problems.append(
-                    f"rank {r}: ViT output {i} has {-h[1 + 3 * i] - 1} rows; expected t*h*w "
-                    "(pre-merger) or t*h*w/merge**2 (merged) rows summed over the units"
-                )
-    if not problems and len({tuple(h) for h in headers}) > 1:
-        problems = [
-            f"rank {r}: outputs (layout, dtype, row width) {_layouts(h)}"
-            for r, h in enumerate(headers)
-        ]
-        problems.insert(0, "ranks disagree on the ViT's outputs")
-    if problems:
-        raise ValueError("vit dp balance: bad ViT output; " + "; ".join(problems))
-
-
-def _layouts(header: list[int]) -> list[tuple[str, str, int]]:
-    names = [str(d).removeprefix("torch.") for d in _DTYPES] + ["other"]
-    return [
-        ("pre-merger" if n > 1 else "merged", names[dtype], numel)
-        for n, dtype, numel in zip(header[1::3], header[2::3], header[3::3], strict=True)
-    ][: header[0]]
 
 
 def exchange(
@@ -406,7 +276,7 @@ def exchange(
     outs: list[torch.Tensor | None] = [None] * len(xs)
     for dtype in dict.fromkeys(x.dtype for x in xs):  # one exchange per dtype, in first-use order
         members = [i for i, x in enumerate(xs) if x.dtype == dtype]
-        flats = [xs[i].reshape(xs[i].shape[0], _row_numel(xs[i])) for i in members]
+        flats = [xs[i].reshape(xs[i].shape[0], row_numel(xs[i])) for i in members]
         perm = routing.permutation(shrink, flats[0].device)
         flat = flats[0] if len(flats) == 1 else torch.cat(flats, 1)
         if perm is not None and not reverse:
@@ -442,99 +312,3 @@ def _row_permutation(rows_U: list[int], order_U: list[int]) -> torch.Tensor | No
     shift = starts[order] - (torch.cumsum(ordered_rows, 0) - ordered_rows)
     total = int(rows.sum())
     return torch.repeat_interleave(shift, ordered_rows, output_size=total) + torch.arange(total)
-
-
-def _row_numel(x: torch.Tensor) -> int:
-    numel = 1
-    for size in x.shape[1:]:
-        numel *= size
-    return numel
-
-
-def meta_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
-    """Where metadata is gathered: the CPU when the group has a CPU backend (gloo: reading the
-    result syncs no device), else the device of the data (``like``), else the device the group
-    is bound to, else the current accelerator. Never a hard-coded ``cuda``."""
-    if "gloo" in str(dist.get_backend(group)):
-        return torch.device("cpu")
-    if like.type != "cpu":
-        return like
-    bound = getattr(group, "bound_device_id", None)
-    if bound is not None:
-        return bound
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        raise ValueError(f"group {group.group_name!r} has no CPU backend and no device was found")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
-
-
-def _local_header(
-    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int, fingerprint: int
-) -> tuple[list[int], list[list[int]]]:
-    """``(header, grid rows)``; a bad input sets a status code and sends no rows."""
-    dtype_code = _DTYPES.index(pixel_values.dtype) if pixel_values.dtype in _DTYPES else -1
-    numel = _row_numel(pixel_values) if pixel_values.dim() >= 1 else 0
-    pixel_rows = pixel_values.shape[0] if pixel_values.dim() >= 1 else 0
-    status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw, merge_size, dtype_code)
-    grad = int(pixel_values.requires_grad)
-    header = [status, arg0, arg1, len(rows), pixel_rows, numel, dtype_code, fingerprint, grad]
-    return header, rows
-
-
-def _check_grid(pixel_values, grid_thw, merge_size, dtype_code):
-    if pixel_values.dim() < 2:
-        return 1, pixel_values.dim(), 0, []
-    if dtype_code < 0:
-        return 2, 0, 0, []
-    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
-        return 3, grid_thw.dim(), grid_thw.shape[-1] if grid_thw.dim() else 0, []
-    if grid_thw.dtype.is_floating_point or grid_thw.dtype == torch.bool:
-        return 4, 0, 0, []
-    rows = grid_thw.tolist()
-    for i, (t, h, w) in enumerate(rows):
-        if min(t, h, w) <= 0:
-            return 5, i, min(t, h, w), []
-        if h % merge_size or w % merge_size:
-            return 6, i, merge_size, []
-    expected = sum(t * h * w for t, h, w in rows)
-    if expected != pixel_values.shape[0]:
-        return 7, pixel_values.shape[0], expected, []
-    return 0, 0, 0, rows
-
-
-def _describe(status: int, arg0: int, arg1: int) -> str:
-    return {
-        1: f"pixel_values must have >= 2 dims (rows, features), got {arg0}",
-        2: f"pixel_values dtype must be one of {[str(d) for d in _DTYPES]}",
-        3: f"image_grid_thw must be 2-D with 3 columns [t, h, w], got {arg0} dims, {arg1} columns",
-        4: "image_grid_thw must have an integer dtype",
-        5: f"image_grid_thw row {arg0} has a non-positive size ({arg1})",
-        6: f"image_grid_thw row {arg0}: h and w must be multiples of the merge size {arg1}",
-        7: f"pixel_values has {arg0} rows but image_grid_thw sums to {arg1} (t*h*w)",
-    }[status]
-
-
-def _raise_on_bad_input(headers: list[list[int]]) -> None:
-    problems = [
-        f"rank {r}: {_describe(h[_STATUS], h[_ARG0], h[_ARG1])}"
-        for r, h in enumerate(headers)
-        if h[_STATUS]
-    ]
-    if not problems and len({h[_FINGERPRINT] for h in headers}) > 1:
-        problems = [
-            "ranks disagree on the balancing settings (config, cost model, merge size, "
-            "world size or unit rule; every rank must use the same)"
-        ]
-        problems += [f"rank {r}: settings {h[_FINGERPRINT]:014x}" for r, h in enumerate(headers)]
-    if not problems:
-        # A rank that passed None (a [0, 0] stand-in) receives rows in the others' layout.
-        kinds = {(h[_DTYPE], h[_ROW_NUMEL]) for h in headers if h[_ROW_NUMEL]}
-        if len(kinds) > 1:
-            problems = [
-                f"rank {r}: pixel_values dtype {_DTYPES[h[_DTYPE]]}, {h[_ROW_NUMEL]} values/row"
-                for r, h in enumerate(headers)
-                if h[_ROW_NUMEL]
-            ]
-            problems.insert(0, "ranks disagree on pixel_values dtype or row width")
-    if problems:
-        raise ValueError("vit dp balance: bad input; " + "; ".join(problems))

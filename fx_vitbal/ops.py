@@ -30,17 +30,15 @@ from fx_vitbal.exchange import (
     Routing,
     as_blocks,
     balanced_grid,
-    check_output_layouts,
     exchange,
     from_blocks,
-    gather_grids,
     local_only_routing,
     local_routing,
     plan_units,
     routing_size,
-    settings_fingerprint,
     with_dummy,
 )
+from fx_vitbal.metadata import check_output_layouts, gather_grids, settings_fingerprint
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:

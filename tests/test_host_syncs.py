@@ -9,7 +9,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks, train_step
 
 import fx_vitbal
-from fx_vitbal.exchange import meta_device
+from fx_vitbal.metadata import meta_device
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig
 
 GRIDS = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]]]  # skewed: the plan is applied
