@@ -149,7 +149,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
         # Empty batch: a zero-row attention keeps the parameters in the autograd graph.
         return F.scaled_dot_product_attention(q, k, v)
     parts = zip(q.split(segments, 1), k.split(segments, 1), v.split(segments, 1), strict=True)
-    return torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in parts], 1)
+    # 4-D inputs: CUDA then runs a flash / memory-efficient kernel; with 3-D ones it falls back
+    # to the math kernel, which stores every [N, N] score matrix (OOM at Qwen2-VL sizes).
+    return torch.cat([_sdpa_4d(*qkv) for qkv in parts], 1)
+
+
+def _sdpa_4d(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
