@@ -240,7 +240,9 @@ def _compiled(rank: int, world: int, variants: list[str]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("variants", [["seed_premerger"], ["seed_merged", "reference_premerger"]])
+@pytest.mark.parametrize(
+    "variants", [["seed_premerger", "reference_merged"], ["seed_merged", "reference_premerger"]]
+)
 def test_any_vit_with_the_contract_is_balanced_exactly_under_torch_compile(variants):
     results = run_ranks(_compiled, 3, variants, timeout=600)
     for variant in variants:

@@ -424,3 +424,25 @@ def test_vitbal_backend_refuses_an_unwrapped_hf_vlm_and_compiles_a_wrapped_one()
     fx_vitbal.enable_vit_balance(model)  # one process: a plain call, but a wrapped one
     compiled = torch.compile(model, backend="vitbal", options={"inner": "eager"})
     torch.testing.assert_close(compiled(**batch).logits, model(**batch).logits)
+
+
+def _eval_on_rank_0_only(rank: int, world: int) -> list:
+    results = []
+    if rank == 0:  # validation on one rank: a collective would wait for rank 1 forever
+        for family in ("qwen2_vl", "qwen3_vl"):
+            model = build_parent(family).eval()
+            batch = make_batch(family, 0, 0, _pixel_width(model.get_encoder(modality="image")))
+            with torch.no_grad():
+                want = model(**batch).logits
+                fx_vitbal.enable_vit_balance(model)
+                got = model(**batch).logits  # one plain tower call from the parent's pre-hook
+            results.append((got, want))
+    dist.barrier()
+    return results
+
+
+def test_wrapped_hf_vlm_in_eval_mode_issues_no_collective_and_matches():
+    results = run_ranks(_eval_on_rank_0_only, 2)
+    assert len(results[0]) == 2 and results[1] == []
+    for got, want in results[0]:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
