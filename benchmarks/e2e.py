@@ -42,7 +42,9 @@ GROUP = "0"  # name of the default process group
 MERGE = 2
 SHRINK = MERGE * MERGE  # pixel rows per output row
 # Big enough that matrix multiplies dominate; inputs as wide as Qwen2-VL's (3*2*14*14).
-VIT = ViTConfig(in_dim=1176, hidden=256, num_heads=4, depth=4, mlp_hidden=1024, out_dim=512)
+VIT = ViTConfig(  # merged outputs (HF's pooler layout): a quarter of the rows go home
+    in_dim=1176, hidden=256, num_heads=4, depth=4, mlp_hidden=1024, out_dim=512, merged_output=True
+)
 # Rank 0 holds five photo-sized images, rank 1 thumbnails and a short video: ~7x the ViT work.
 SKEWED = [
     [[1, 20, 14], [1, 16, 12], [1, 14, 14], [1, 12, 10], [1, 8, 8]],
@@ -91,15 +93,15 @@ def vit_step(vit, pixels, grid_thw, config=None) -> None:
 
 # The three moves of a balanced step, called as the runtime calls them (see encoder.py, ops.py).
 def move_pixels(pixels: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
-    return ops.redistribute([pixels], routing, 1, SHRINK, None, GROUP)[0]
+    return ops.redistribute([pixels], routing, SHRINK, [SHRINK], None, GROUP)[0]
 
 
 def move_home(embeds: torch.Tensor, routing: torch.Tensor, home_rows: int) -> torch.Tensor:
-    return ops.restore([embeds], routing, SHRINK, home_rows, GROUP)[0]
+    return ops.restore([embeds], routing, SHRINK, [1], home_rows, GROUP)[0]  # merged rows
 
 
 def move_gradients(grads: torch.Tensor, routing: torch.Tensor, rows: int) -> torch.Tensor:
-    return ops.redistribute([grads], routing, SHRINK, 0, rows, GROUP)[0]
+    return ops.redistribute([grads], routing, SHRINK, [1], rows, GROUP)[0]
 
 
 def measure_skewed(rank: int, vit, repeats: int) -> dict[str, Timing]:
