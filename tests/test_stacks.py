@@ -21,11 +21,13 @@ from torch.nn.parallel import DistributedDataParallel
 import fx_vitbal
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 
-# Per step, each rank's grids. Step 0: rank 1 has no image and takes work; step 1: the other way
-# round, with a video; step 2: rank 0 holds one small image that is not worth moving (the plan is
-# skipped) while rank 1 again has none.
+# Per step, each rank's grids. Step 0: rank 1 has no image and takes work; step 1: no image
+# anywhere (the ViT's parameters must still get their zero gradients, or DDP fails the next step);
+# step 2: the other way round, with a video; step 3: rank 0 holds one small image that is not
+# worth moving (the plan is skipped) while rank 1 again has none.
 STEPS = [
     [[[1, 16, 12], [2, 4, 6], [1, 4, 4]], []],
+    [[], []],
     [[[1, 4, 4]], [[1, 12, 8], [1, 8, 8], [2, 4, 4]]],
     [[[1, 2, 2]], []],
 ]
