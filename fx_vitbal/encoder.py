@@ -298,6 +298,8 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
             return None, None, []
         return call(pixel_values, image_grid_thw)
     planner, merge = planner or planner_for(vit, config)
+    # Unbalanced, a parent that passes a tensor runs the ViT on it even with zero rows, so the
+    # ViT's parameters get (zero) gradients; DDP fails the next step if they get none.
     if pixel_values is None:  # no images here: take part with rows in the others' layout
         device = next(iter(vit.parameters()), torch.empty(0)).device
         pixel_values = torch.empty(0, 0, device=device)
@@ -308,7 +310,7 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
         return [embeds, *deepstack], window_index
 
     outputs, window_index = run_balanced(
-        run, pixel_values, image_grid_thw, merge, planner, dist_info
+        run, pixel_values, image_grid_thw, merge, planner, dist_info, grad_without_images=True
     )
     if outputs is None:
         return None, None, []
@@ -317,7 +319,9 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
     return outputs[0], window_index, list(outputs[1:])
 
 
-def run_balanced(run, pixel_values, image_grid_thw, merge, planner, dist_info):
+def run_balanced(
+    run, pixel_values, image_grid_thw, merge, planner, dist_info, grad_without_images=False
+):
     """plan -> redistribute -> ``run(pixels, grid)`` -> restore, the one balanced ViT call of
     every eager and in-place path (and of compiled wrappers, which trace it).
 
@@ -329,10 +333,15 @@ def run_balanced(run, pixel_values, image_grid_thw, merge, planner, dist_info):
     Every decision below comes from the gathered metadata, so all ranks take the same branch:
     - a skipped plan runs ``run`` on the local batch with no copy, except on a rank with no
       image, which goes through the ops so its ViT computes the dummy unit, never zero rows;
-    - when no rank has an image, nothing runs with gradients (the ViT's parameters get none, as
-      without balancing): every rank runs the dummy unit under ``no_grad`` to learn the outputs'
-      widths and returns them empty, or returns ``(None, extra)`` if no rank passed a pixel
-      tensor at all. (Under ``torch.compile`` the dummy unit runs with gradients: zeros.)
+    - when no rank has an image, every rank runs the dummy unit to learn the outputs' widths and
+      returns them empty, or returns ``(None, extra)`` if no rank passed a pixel tensor at all.
+      It runs under ``no_grad`` (the ViT's parameters get no gradient, as when a parent skips
+      its ViT on text-only batches, like Hugging Face's) unless ``grad_without_images``: then the
+      empty outputs stay in the graph and the parameters get zero gradients, as when a parent
+      calls its ViT on zero rows (LoongForge's ``encode_images``; DDP without
+      ``find_unused_parameters`` needs it). The choice is the caller's, the same on every rank,
+      so FSDP's backward collectives stay matched. (Under ``torch.compile`` the dummy unit always
+      runs with gradients: zeros.)
     """
     group_name, world_size = dist_info
     area = merge * merge
@@ -340,7 +349,7 @@ def run_balanced(run, pixel_values, image_grid_thw, merge, planner, dist_info):
     if not torch.compiler.is_compiling():
         route = Routing.of(routing)
         if not route.any_units:
-            return _without_images(run, pixel_values, route, area)
+            return _without_images(run, pixel_values, route, area, grad_without_images)
         if not route.applied and pixel_values.shape[0]:
             return run(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
         pixel_values = _taking_part(pixel_values, route)
@@ -364,12 +373,12 @@ def _taking_part(pixel_values: torch.Tensor, route: Routing) -> torch.Tensor:
     return pixel_values
 
 
-def _without_images(run, pixel_values, route, area):
+def _without_images(run, pixel_values, route, area, grad):
     if not route.row_numel:
         return None, None
     dummy = torch.zeros(area, route.row_numel, dtype=route.dtype, device=pixel_values.device)
     side = math.isqrt(area)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
         outputs, extra = run(dummy, torch.tensor([[1, side, side]], device=pixel_values.device))
     return [o[:0] for o in outputs], extra
 

@@ -407,13 +407,16 @@ class OmniEncoderModel(nn.Module):
         """Logits ``[L, vocab_size]`` for one packed sequence."""
         embeds, deepstack = self.encode_images(pixel_values, image_grid_thw)
         mask = (input_ids == self.lm_config.image_token_id)[:, None]
-        h = self.embed(input_ids).masked_scatter(mask, embeds)
+        h = self.embed(input_ids)
+        # Under autocast the tower's rows come out in bf16 while embeddings stay fp32 (HF's
+        # parents cast the same way).
+        h = h.masked_scatter(mask, embeds.to(h.dtype))
         for k, layer in enumerate(self.layers):
             h = layer(h)
             if k < len(deepstack):
                 # Qwen3-VL deepstack: add features at the image positions. Scattering into zeros
                 # keeps every shape static (no h[mask]), which dynamo needs for fullgraph.
-                h = h + torch.zeros_like(h).masked_scatter(mask, deepstack[k])
+                h = h + torch.zeros_like(h).masked_scatter(mask, deepstack[k].to(h.dtype))
         return self.lm_head(self.norm(h))
 
 

@@ -1,5 +1,7 @@
 """The demo (``make demo``) runs end to end on 2 ranks, balances, and trains identically."""
 
+import math
+import os
 import pathlib
 import re
 import subprocess
@@ -26,3 +28,21 @@ def test_demo_balances_and_reports_identical_losses():
     assert len(losses) == 2 and losses[0] == losses[1], out
     diff = re.search(r"max \|balanced - unbalanced\| = (\S+)", out)
     assert diff is not None and float(diff.group(1)) <= 1e-6, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_train_hf_runs_under_torchrun_with_finite_losses(wrap):
+    pytest.importorskip("transformers")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    command += ["2", str(ROOT / "examples" / "train_hf.py"), "--wrap", wrap, "--steps", "2"]
+    command += ["--grad-accum", "2", "--use-vit-dp-balance", "--dp-balance-verbose"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", result.stdout, re.M)]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), result.stdout
+    assert "applied" in result.stdout, result.stdout  # images really moved

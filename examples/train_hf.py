@@ -1,0 +1,173 @@
+"""Train a small Hugging Face Qwen2-VL (built from a config, no download) under torchrun, with
+DDP or FSDP2, gradient accumulation and the ``--use-vit-dp-balance`` flags.
+
+The workload is skewed on purpose: rank 0 holds a large image and a video every step, odd ranks are
+text-only every other step, the rest hold thumbnails. Rank 0 prints the loss of every step
+(the mean over ranks and micro-batches), so runs with and without balancing can be compared.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_hf.py --use-vit-dp-balance
+    torchrun --standalone --nproc-per-node 2 examples/train_hf.py --wrap fsdp2 --grad-accum 2 \\
+        --use-vit-dp-balance --dp-balance-verbose
+
+gloo on CPU, NCCL on the GPU ``LOCAL_RANK`` when CUDA is available.
+"""
+
+import argparse
+import contextlib
+import os
+import random
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import fx_vitbal
+
+# Qwen2-VL's token ids in the tiny config below.
+IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
+TEXT_VOCAB = 100  # text tokens are drawn below the special ids
+
+
+def build_model(device: torch.device) -> transformers.Qwen2VLForConditionalGeneration:
+    """A tiny random Qwen2-VL; the same weights on every rank (seeded)."""
+    config = transformers.Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=64, num_heads=4, mlp_ratio=2),
+        text_config=dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "rope_theta": 10000.0,
+            },
+        ),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.Qwen2VLForConditionalGeneration(config).to(device).train()
+
+
+def sample_grids(rank: int, step: int, micro: int) -> tuple[list, list]:
+    """``(image grids, video grids)`` in patches for one micro-batch of one rank (skewed)."""
+    rng = random.Random(f"{rank}-{step}-{micro}")
+    if rank == 0:  # a document-sized image and a short video
+        return [[1, 2 * rng.randint(6, 10), 2 * rng.randint(6, 10)]], [[2, 4, 6]]
+    if rank % 2 and step % 2 == 0:
+        return [], []  # text-only
+    return [[1, 2 * rng.randint(1, 2), 2 * rng.randint(1, 2)]], []
+
+
+def make_batch(grids: tuple[list, list], rank: int, step: int, micro: int, width: int) -> dict:
+    """One packed sample: text, then each image's and video's placeholder tokens."""
+    images, videos = grids
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    ids = torch.randint(0, TEXT_VOCAB, (8,), generator=gen).tolist()
+    types = [0] * len(ids)
+    for grids_, token, kind in ((images, IMAGE, 1), (videos, VIDEO, 2)):
+        for t, h, w in grids_:
+            n = t * h * w // 4  # 2x2 patches merge into one token
+            ids += [VISION_START] + [token] * n + [VISION_END]
+            types += [0] + [kind] * n + [0]
+    batch = {
+        "input_ids": torch.tensor([ids]),
+        "mm_token_type_ids": torch.tensor([types]),
+        "labels": torch.tensor([ids]),
+    }
+    for grids_, pixels, grid in (
+        (images, "pixel_values", "image_grid_thw"),
+        (videos, "pixel_values_videos", "video_grid_thw"),
+    ):
+        if grids_:
+            rows = sum(t * h * w for t, h, w in grids_)
+            batch[pixels] = torch.randn(rows, width, generator=gen)
+            batch[grid] = torch.tensor(grids_)
+    return batch
+
+
+def wrap(model: torch.nn.Module, how: str, device: torch.device, balanced: bool) -> torch.nn.Module:
+    """DDP, or FSDP2 on every ViT block, every LM layer and the whole model."""
+    if how == "ddp":
+        # Unbalanced, text-only ranks never call the vision tower: its parameters go unused there.
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=not balanced,
+        )
+    for block in model.model.visual.blocks:
+        fully_shard(block)
+    for layer in model.model.language_model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def sync_gradients(model: torch.nn.Module, how: str, last: bool):
+    """Reduce gradients on the last micro-batch only (DDP: ``no_sync``; FSDP2: its switch)."""
+    if how == "ddp":
+        return contextlib.nullcontext() if last else model.no_sync()
+    model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = fx_vitbal.add_vit_balance_args(parser).parse_args()
+    if args.wrap == "fsdp2" and not args.use_vit_dp_balance:
+        # Unbalanced, text-only ranks never call the tower, so they skip FSDP2's collectives for
+        # its parameters while the other ranks wait in them (gloo: "Connection reset by peer").
+        # Balanced, every rank calls the tower every step.
+        parser.error("--wrap fsdp2 needs --use-vit-dp-balance here (some ranks are text-only)")
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    model = build_model(device)
+    vision = model.model.visual.config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    model = wrap(model, args.wrap, device, args.use_vit_dp_balance)
+    # After wrapping: the tower is found through DDP, and FSDP2 keeps the module tree.
+    fx_vitbal.enable_vit_balance(model, config=fx_vitbal.BalanceConfig.from_args(args))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    for step in range(args.steps):
+        total = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            grids = sample_grids(rank, step, micro)
+            batch = make_batch(grids, rank, step, micro, width)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with sync_gradients(model, args.wrap, last=micro == args.grad_accum - 1):
+                loss = model(**batch).loss / args.grad_accum
+                loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(total)  # gloo has no AVG
+        if rank == 0:
+            print(f"step {step} loss {total.item() / world:.6f}", flush=True)
+    dist.barrier()  # no rank tears its connections down while another still uses them
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
