@@ -250,7 +250,8 @@ def _place(
     rows, so each rank changes heaps a few times: O(units * log ranks) in practice.
     """
     # Loads only grow and rooms only shrink, so an entry older than its rank is a bound: refresh
-    # it when it surfaces instead of pushing on every change (the chosen rank keeps its entry).
+    # it when it surfaces instead of pushing on every change. The open top taking the unit (the
+    # common case) is updated at once, saving its refresh on the next unit.
     open_ = [(load, r) for r, load in enumerate(loads)]
     heapq.heapify(open_)
     full: list[tuple[float, int]] = []
@@ -279,8 +280,10 @@ def _place(
                 while -full[0][0] != room[full[0][1]]:
                     heapq.heapreplace(full, (-room[full[0][1]], full[0][1]))
                 chosen = full[0][1]  # the most room is the fewest rows
-            if chosen != home and loads[home] == loads[chosen] and room[home] >= need:
+            elif chosen != home and loads[home] == loads[chosen] and room[home] >= need:
                 chosen = home  # an LPT tie: staying home moves nothing
+            else:
+                heapq.heapreplace(open_, (loads[chosen] + cost[u], chosen))
         dest[u] = chosen
         loads[chosen] += cost[u]
         rank_tokens[chosen] += need
