@@ -117,9 +117,13 @@ def solve_plan(
         return skip("dominant-unit")
 
     order = units.by_cost_desc()
-    free = _lpt(units, order, base)
+    # Rows that no assignment fits under the cap make the plain greedy break it too: skip it.
+    keepable = home_keeps_cap or not _cap_unkeepable(units, cap)
+    free = _lpt(units, order, base) if keepable else None
     lpt = _refine(
-        free if _cap_respected(free, units, cap) else _lpt_within(units, order, base, cap),
+        free
+        if free is not None and _cap_respected(free, units, cap)
+        else _lpt_within(units, order, base, cap),
         units,
         base,
         cap,
@@ -132,6 +136,7 @@ def solve_plan(
         if target >= max(loads_before):
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
+            free = free if free is not None else _lpt(units, order, base)
             target = max(_loads(free, units, base))
         accept = target * (1.0 + MAKESPAN_SLACK)
         candidates.append(_min_move(units, order, base, cap, accept))
@@ -219,6 +224,17 @@ def _token_cap(units: _Units, ratio: float | None) -> float:
     if ratio == math.inf:
         return math.inf
     return math.floor(sum(units.tokens) / units.num_ranks * ratio)
+
+
+def _cap_unkeepable(units: _Units, cap: float) -> bool:
+    """Whether no assignment at all keeps the cap (``max_len_ratio=1.0`` with no unit above it,
+    typically: the rows exceed ``ranks * floor(mean)``).
+
+    At best the units above the cap sit alone and every other rank is full to the cap, so more
+    rows than that fit in no assignment.
+    """
+    excess = sum(n - cap for n in units.tokens if n > cap)
+    return sum(units.tokens) > cap * units.num_ranks + excess
 
 
 def _room(r: int, rank_tokens: list[int], rank_units: list[int], cap: float) -> float:

@@ -6,6 +6,7 @@ the memory cap, history) on inputs small enough to check by eye.
 
 import copy
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
 from fx_vitbal.planner import (
     MAKESPAN_SLACK,
     _best_step,
+    _cap_unkeepable,
     _place,
     _Units,
     imbalance,
@@ -390,6 +392,21 @@ def test_refinement_step_is_the_best_over_every_pair(hi, lo, base_gap, cap):
     expected = min(steps)[1:] if steps else None
     args = (on_hi, on_lo, gap, load_hi, load_lo, tokens_hi, tokens_lo, units, cap)
     assert _best_step(*args) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.lists(st.integers(0, 12), max_size=5),
+    st.integers(0, 30),
+)
+def test_cap_called_unkeepable_is_broken_by_every_assignment(num_ranks, rows, cap):
+    units = _Units([[1.0] * len(rows)] + [[]] * (num_ranks - 1), [rows] + [[]] * (num_ranks - 1))
+    if not _cap_unkeepable(units, cap):
+        return
+    for dest in itertools.product(range(num_ranks), repeat=len(rows)):
+        held = [[n for d, n in zip(dest, rows, strict=True) if d == r] for r in range(num_ranks)]
+        assert any(len(h) > 1 and sum(h) > cap for h in held)
 
 
 def realistic_case(num_ranks: int, images_per_rank: int, seed: int) -> Case:
