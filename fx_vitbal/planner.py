@@ -495,22 +495,28 @@ def _best_fit(
     least-loaded rank (``_place``) and the refinement repairs the overshoot. Mutates its arguments.
 
     As in ``_place``, a rank with too few rows of room for a unit leaves the search (``full``, by
-    room) until a unit it has room for comes, instead of being skipped again for every unit.
+    room) until a unit it has room for comes, instead of being skipped again for every unit. One
+    with room for the next unit is only passed over: rows of consecutive units often alternate
+    (photos, then videos with more rows at lower cost), and setting such a rank aside only to
+    take it back for the next unit costs far more than stepping past it once.
     """
     by_load = sorted((load, r) for r, load in enumerate(loads))
     full: list[tuple[float, int]] = []  # only ranks in by_load take units, so rooms stay exact
     room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
+    needs = [units.tokens[u] for u in order]
     misfits = []
-    for u in order:
-        need = units.tokens[u]
+    for k, u in enumerate(order):
+        need = needs[k]
+        next_need = needs[k + 1] if k + 1 < len(needs) else 0
         while full and -full[0][0] >= need:
             r = heapq.heappop(full)[1]
             bisect.insort(by_load, (loads[r], r))
         # The fullest rank that still fits is just below limit - cost in load order.
         i = bisect.bisect_right(by_load, (limit - units.cost[u], math.inf)) - 1
         while i >= 0 and room[by_load[i][1]] < need:
-            r = by_load.pop(i)[1]
-            heapq.heappush(full, (-room[r], r))
+            if room[by_load[i][1]] < next_need:
+                r = by_load.pop(i)[1]
+                heapq.heappush(full, (-room[r], r))
             i -= 1
         if i < 0:
             misfits.append(u)
