@@ -19,10 +19,12 @@ raises peak memory.
 """
 
 import bisect
+import collections
 import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from fx_vitbal.config import BalanceConfig
 
@@ -99,9 +101,10 @@ def solve_plan(
     home = units.src[:]
     loads_before = _loads(home, units, base)
     cap = _token_cap(units, config.max_len_ratio)
+    home_keeps_cap = _cap_respected(home, units, cap)
 
     def skip(reason: str) -> Plan:
-        return _make_plan(home, units, base, loads_before, False, reason, cap)
+        return _make_plan(home, home_keeps_cap, units, base, loads_before, False, reason)
 
     if num_ranks == 1:
         return skip("single-rank")
@@ -114,35 +117,48 @@ def solve_plan(
         return skip("dominant-unit")
 
     order = units.by_cost_desc()
-    free = _lpt(units, order, base)
-    lpt, lpt_loads = _refine(
-        free if _cap_respected(free, units, cap) else _lpt_within(units, order, base, cap),
+    # Rows that no assignment fits under the cap make the plain greedy break it too: skip it.
+    keepable = home_keeps_cap or not _cap_unkeepable(units, cap)
+    free = _lpt(units, order, base) if keepable else None
+    lpt = _refine(
+        free
+        if free is not None and _cap_respected(free, units, cap)
+        else _lpt_within(units, order, base, cap),
         units,
         base,
         cap,
         mean_load * (1 + config.tolerance),
         config.max_iters,
     )
-    candidates = [(lpt, lpt_loads)]
+    candidates = [lpt]
     if config.strategy == "min-move":
-        target = max(lpt_loads)
+        target = max(lpt.loads)
         if target >= max(loads_before):
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
+            free = free if free is not None else _lpt(units, order, base)
             target = max(_loads(free, units, base))
         accept = target * (1.0 + MAKESPAN_SLACK)
         candidates.append(_min_move(units, order, base, cap, accept))
     # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
     # then fewer rows moved (LPT, the reference, wins ties).
-    pool = [c for c in candidates if _cap_respected(c[0], units, cap)] or candidates
-    good_enough = min(max(loads) for _, loads in pool) * (1.0 + MAKESPAN_SLACK)
-    dest = min(pool, key=lambda c: (max(c[1]) > good_enough, _moved(c[0], units)))[0]
-    plan = _make_plan(dest, units, base, loads_before, True, "applied", cap)
-    if not plan.cap_respected and _cap_respected(home, units, cap):
+    pool = [c for c in candidates if c.cap_respected] or candidates
+    good_enough = min(max(c.loads) for c in pool) * (1.0 + MAKESPAN_SLACK)
+    best = min(pool, key=lambda c: (max(c.loads) > good_enough, _moved(c.dest, units)))
+    if not best.cap_respected and home_keeps_cap:
         return skip("cap")
+    plan = _make_plan(best.dest, best.cap_respected, units, base, loads_before, True, "applied")
     if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
         return skip("no-gain")
     return plan
+
+
+class _Candidate(NamedTuple):
+    """An assignment (``dest[u]``: the rank computing unit ``u``) with what the planner weighs."""
+
+    dest: list[int]
+    loads: list[float]
+    cap_respected: bool
 
 
 class _Units:
@@ -210,6 +226,17 @@ def _token_cap(units: _Units, ratio: float | None) -> float:
     return math.floor(sum(units.tokens) / units.num_ranks * ratio)
 
 
+def _cap_unkeepable(units: _Units, cap: float) -> bool:
+    """Whether no assignment at all keeps the cap (``max_len_ratio=1.0`` with no unit above it,
+    typically: the rows exceed ``ranks * floor(mean)``).
+
+    At best the units above the cap sit alone and every other rank is full to the cap, so more
+    rows than that fit in no assignment.
+    """
+    excess = sum(n - cap for n in units.tokens if n > cap)
+    return sum(units.tokens) > cap * units.num_ranks + excess
+
+
 def _room(r: int, rank_tokens: list[int], rank_units: list[int], cap: float) -> float:
     """Rows rank ``r`` can still take. An empty rank may always hold one unit alone, however
     large (the cap's documented exception)."""
@@ -239,7 +266,8 @@ def _place(
     rows, so each rank changes heaps a few times: O(units * log ranks) in practice.
     """
     # Loads only grow and rooms only shrink, so an entry older than its rank is a bound: refresh
-    # it when it surfaces instead of pushing on every change (the chosen rank keeps its entry).
+    # it when it surfaces instead of pushing on every change. The open top taking the unit (the
+    # common case) is updated at once, saving its refresh on the next unit.
     open_ = [(load, r) for r, load in enumerate(loads)]
     heapq.heapify(open_)
     full: list[tuple[float, int]] = []
@@ -268,8 +296,10 @@ def _place(
                 while -full[0][0] != room[full[0][1]]:
                     heapq.heapreplace(full, (-room[full[0][1]], full[0][1]))
                 chosen = full[0][1]  # the most room is the fewest rows
-            if chosen != home and loads[home] == loads[chosen] and room[home] >= need:
+            elif chosen != home and loads[home] == loads[chosen] and room[home] >= need:
                 chosen = home  # an LPT tie: staying home moves nothing
+            else:
+                heapq.heapreplace(open_, (loads[chosen] + cost[u], chosen))
         dest[u] = chosen
         loads[chosen] += cost[u]
         rank_tokens[chosen] += need
@@ -301,17 +331,19 @@ def _lpt_within(units: _Units, order: list[int], base: list[float], cap: float) 
 
 def _refine(
     dest: list[int], units: _Units, base: list[float], cap: float, stop_load: float, max_iters: int
-) -> tuple[list[int], list[float]]:
+) -> _Candidate:
     """The seed's refinement: move or swap one unit between the most and least loaded ranks
     until the makespan is at most ``stop_load``, nothing helps, or ``max_iters`` steps ran.
 
-    Returns the new assignment and its loads."""
+    Returns the new assignment with its loads and whether it keeps the row cap (every candidate
+    plan comes out of here, so the per-rank sums are made once, in one pass over the units)."""
     dest = dest[:]
-    loads = _loads(dest, units, base)
+    loads = base[:]
     held: list[list[int]] = [[] for _ in loads]
     rank_tokens = [0] * len(loads)
-    for u, (d, n) in enumerate(zip(dest, units.tokens, strict=True)):
+    for u, (d, c, n) in enumerate(zip(dest, units.cost, units.tokens, strict=True)):
         held[d].append(u)
+        loads[d] += c
         rank_tokens[d] += n
     highest = [(-load, r) for r, load in enumerate(loads)]
     lowest = [(load, r) for r, load in enumerate(loads)]
@@ -351,7 +383,8 @@ def _refine(
         for r in (hi, lo):
             heapq.heappush(highest, (-loads[r], r))
             heapq.heappush(lowest, (loads[r], r))
-    return dest, loads
+    keeps_cap = all(n <= cap or len(h) <= 1 for n, h in zip(rank_tokens, held, strict=True))
+    return _Candidate(dest, loads, keeps_cap)
 
 
 def _best_step(
@@ -409,7 +442,7 @@ def _best_step(
 
 def _min_move(
     units: _Units, order: list[int], base: list[float], cap: float, accept: float
-) -> tuple[list[int], list[float]]:
+) -> _Candidate:
     """Keep units home: overloaded ranks shed just enough to reach ``accept``, shed units are
     placed LPT-style, and a refinement repairs any overshoot.
 
@@ -434,7 +467,7 @@ def _min_move(
     shed.sort(key=lambda u: (-units.cost[u], u))  # the same total order as ``order``
     _best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
     first = _refine(dest, units, base, cap, accept, units.num_ranks)
-    if max(first[1]) <= accept:
+    if max(first.loads) <= accept:
         return first
     # Fragmented room (a near-perfect LPT leaves ~1% slack): LPT order again, but each unit
     # stays home while its home has room below the target, so large units stay and only the
@@ -444,7 +477,7 @@ def _min_move(
     _place(order, dest, base[:], zeros[:], zeros[:], units, cap, home_fill=accept)
     second = _refine(dest, units, base, cap, accept, units.num_ranks)
     # Neither reached the target (the row cap binds): the lower makespan, for solve_plan to weigh.
-    return min(first, second, key=lambda plan: max(plan[1]))
+    return min(first, second, key=lambda plan: max(plan.loads))
 
 
 def _best_fit(
@@ -462,22 +495,28 @@ def _best_fit(
     least-loaded rank (``_place``) and the refinement repairs the overshoot. Mutates its arguments.
 
     As in ``_place``, a rank with too few rows of room for a unit leaves the search (``full``, by
-    room) until a unit it has room for comes, instead of being skipped again for every unit.
+    room) until a unit it has room for comes, instead of being skipped again for every unit. One
+    with room for the next unit is only passed over: rows of consecutive units often alternate
+    (photos, then videos with more rows at lower cost), and setting such a rank aside only to
+    take it back for the next unit costs far more than stepping past it once.
     """
     by_load = sorted((load, r) for r, load in enumerate(loads))
     full: list[tuple[float, int]] = []  # only ranks in by_load take units, so rooms stay exact
     room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
+    needs = [units.tokens[u] for u in order]
     misfits = []
-    for u in order:
-        need = units.tokens[u]
+    for k, u in enumerate(order):
+        need = needs[k]
+        next_need = needs[k + 1] if k + 1 < len(needs) else 0
         while full and -full[0][0] >= need:
             r = heapq.heappop(full)[1]
             bisect.insort(by_load, (loads[r], r))
         # The fullest rank that still fits is just below limit - cost in load order.
         i = bisect.bisect_right(by_load, (limit - units.cost[u], math.inf)) - 1
         while i >= 0 and room[by_load[i][1]] < need:
-            r = by_load.pop(i)[1]
-            heapq.heappush(full, (-room[r], r))
+            if room[by_load[i][1]] < next_need:
+                r = by_load.pop(i)[1]
+                heapq.heappush(full, (-room[r], r))
             i -= 1
         if i < 0:
             misfits.append(u)
@@ -524,25 +563,27 @@ def _moved(dest: list[int], units: _Units) -> int:
 def _cap_respected(dest: list[int], units: _Units, cap: float) -> bool:
     if cap == math.inf:
         return True
-    rank_units = [0] * units.num_ranks
-    for d in dest:
-        rank_units[d] += 1
-    return all(n <= cap or k <= 1 for n, k in zip(_rows(dest, units), rank_units, strict=True))
+    over = [r for r, n in enumerate(_rows(dest, units)) if n > cap]
+    if not over:
+        return True
+    rank_units = collections.Counter(dest)  # counted in C: cheaper than a second Python pass
+    return all(rank_units[r] <= 1 for r in over)
 
 
 def _make_plan(
     dest: list[int],
+    cap_respected: bool,
     units: _Units,
     base: list[float],
     loads_before: list[float],
     applied: bool,
     reason: str,
-    cap: float,
 ) -> Plan:
     assignment: list[list[tuple[int, int]]] = [[] for _ in range(units.num_ranks)]
     # Units are enumerated in (src, idx) order, so every assignment list comes out sorted.
     for d, src, idx in zip(dest, units.src, units.idx, strict=True):
         assignment[d].append((src, idx))
+    # Summed afresh: the refinement's running sums may differ from these in the last bits.
     loads_after = _loads(dest, units, base)
     return Plan(
         assignment=assignment,
@@ -553,5 +594,5 @@ def _make_plan(
         imbalance_before=imbalance(loads_before),
         imbalance_after=imbalance(loads_after),
         moved_tokens=_moved(dest, units),
-        cap_respected=_cap_respected(dest, units, cap),
+        cap_respected=cap_respected,
     )

@@ -6,6 +6,7 @@ the memory cap, history) on inputs small enough to check by eye.
 
 import copy
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -16,7 +17,9 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
 from fx_vitbal.planner import (
     MAKESPAN_SLACK,
+    _best_fit,
     _best_step,
+    _cap_unkeepable,
     _place,
     _Units,
     imbalance,
@@ -331,10 +334,10 @@ def placements(draw):
     return _Units(costs, tokens), loads, rows, counts, cap, home_fill
 
 
-def place_by_scanning(units, loads, rows, counts, cap, home_fill):
+def place_by_scanning(units, loads, rows, counts, cap, home_fill, order=None, dest=None):
     """What ``_place`` documents, by scanning every rank for every unit."""
-    dest = [-1] * len(units.cost)
-    for u in units.by_cost_desc():
+    dest = [-1] * len(units.cost) if dest is None else dest
+    for u in units.by_cost_desc() if order is None else order:
         home, need = units.src[u], units.tokens[u]
         fitting = [r for r in range(len(loads)) if counts[r] == 0 or rows[r] + need <= cap]
         if home in fitting and loads[home] + units.cost[u] <= home_fill:
@@ -390,6 +393,52 @@ def test_refinement_step_is_the_best_over_every_pair(hi, lo, base_gap, cap):
     expected = min(steps)[1:] if steps else None
     args = (on_hi, on_lo, gap, load_hi, load_lo, tokens_hi, tokens_lo, units, cap)
     assert _best_step(*args) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.lists(st.integers(0, 12), max_size=5),
+    st.integers(0, 30),
+)
+def test_cap_called_unkeepable_is_broken_by_every_assignment(num_ranks, rows, cap):
+    units = _Units([[1.0] * len(rows)] + [[]] * (num_ranks - 1), [rows] + [[]] * (num_ranks - 1))
+    if not _cap_unkeepable(units, cap):
+        return
+    for dest in itertools.product(range(num_ranks), repeat=len(rows)):
+        held = [[n for d, n in zip(dest, rows, strict=True) if d == r] for r in range(num_ranks)]
+        assert any(len(h) > 1 and sum(h) > cap for h in held)
+
+
+def best_fit_by_scanning(units, loads, rows, counts, cap, limit):
+    """What ``_best_fit`` documents, by scanning every rank for every unit."""
+    dest, misfits = [-1] * len(units.cost), []
+    for u in units.by_cost_desc():
+        need, cost = units.tokens[u], units.cost[u]
+        fitting = [
+            r
+            for r in range(len(loads))
+            if (counts[r] == 0 or rows[r] + need <= cap) and loads[r] <= limit - cost
+        ]
+        if not fitting:
+            misfits.append(u)
+            continue
+        d = max(fitting, key=lambda r: (loads[r], r))  # the least room left under the limit
+        dest[u] = d
+        loads[d] += cost
+        rows[d] += need
+        counts[d] += 1
+    return place_by_scanning(units, loads, rows, counts, cap, -math.inf, misfits, dest)
+
+
+@settings(max_examples=300, deadline=None)
+@given(placements(), st.sampled_from([0.0, 5.0, 9.0, 14.0, math.inf]))
+def test_best_fit_is_the_documented_scan(problem, limit):
+    units, loads, rows, counts, cap, _ = problem
+    expected = best_fit_by_scanning(units, loads[:], rows[:], counts[:], cap, limit)
+    dest = [-1] * len(units.cost)
+    _best_fit(units.by_cost_desc(), dest, loads, rows, counts, units, cap, limit)
+    assert dest == expected
 
 
 def realistic_case(num_ranks: int, images_per_rank: int, seed: int) -> Case:
