@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from fx_vitbal.encoder import (
-    _unwrapped,
+    plain_forward,
     regenerate_window_index,
     vision_encoder_spec,
 )
@@ -272,7 +272,7 @@ def _check(
 
 def _call(model: nn.Module, pixels: Tensor, grid_thw: Tensor) -> tuple:
     # A ViT wrapped by enable_vit_balance would start collectives: call the plain forward.
-    result = _unwrapped(model)(pixels, grid_thw)
+    result = plain_forward(model)(pixels, grid_thw)
     if not (isinstance(result, tuple | list) and len(result) == 3):
         raise TypeError(
             f"{type(model).__qualname__}(pixel_values, image_grid_thw) must return "

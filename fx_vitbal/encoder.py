@@ -161,7 +161,7 @@ def dp_balance_vit_encoder(
         ValueError: on every rank, when any rank's input or ViT output is malformed.
         TypeError: ``vit`` has no ``spatial_merge_size``.
     """
-    return _balanced_call(vit, _unwrapped(vit), pixel_values, image_grid_thw, config, group)
+    return _balanced_call(vit, plain_forward(vit), pixel_values, image_grid_thw, config, group)
 
 
 def enable_vit_balance(
@@ -388,8 +388,9 @@ def _training_call(vit, original, config, group, pixel_values, image_grid_thw):
     return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group, planner)
 
 
-def _unwrapped(vit: nn.Module) -> Callable:
-    # A ViT already wrapped by enable_vit_balance must not be balanced twice.
+def plain_forward(vit: nn.Module) -> Callable:
+    """``vit``'s own call, without the balancing ``enable_vit_balance`` put in front of it (so
+    a ViT already wrapped is never balanced twice, and a local check issues no collective)."""
     return getattr(vit, "_vitbal_original_forward", vit)
 
 

@@ -229,29 +229,22 @@ def _gradients(ctx, grads):
     ]
 
 
-def _redistribute_backward(ctx, grads):
-    moved = restore(
-        _gradients(ctx, grads),
-        ctx.routing,
-        ctx.merge_area,
-        ctx.block_rows,
-        ctx.in_blocks,
-        ctx.group_name,
-    )
-    return moved, None, None, None, None, None
+def _backward_by(reverse_op):
+    """A move's backward: the opposite move of the gradients, to the forward's input blocks."""
+
+    def backward(ctx, grads):
+        moved = reverse_op(
+            _gradients(ctx, grads),
+            ctx.routing,
+            ctx.merge_area,
+            ctx.block_rows,
+            ctx.in_blocks,
+            ctx.group_name,
+        )
+        return moved, None, None, None, None, None
+
+    return backward
 
 
-def _restore_backward(ctx, grads):
-    moved = redistribute(
-        _gradients(ctx, grads),
-        ctx.routing,
-        ctx.merge_area,
-        ctx.block_rows,
-        ctx.in_blocks,
-        ctx.group_name,
-    )
-    return moved, None, None, None, None, None
-
-
-redistribute.register_autograd(_redistribute_backward, setup_context=_setup_context)
-restore.register_autograd(_restore_backward, setup_context=_setup_context)
+redistribute.register_autograd(_backward_by(restore), setup_context=_setup_context)
+restore.register_autograd(_backward_by(redistribute), setup_context=_setup_context)
