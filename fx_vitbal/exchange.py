@@ -30,6 +30,10 @@ from fx_vitbal.planner import Plan, solve_plan
 _plan_calls = itertools.count(1)  # the step number --dp-balance-verbose prints
 
 
+# Values before the per-rank and per-unit parts of a packed routing tensor (see Routing).
+ROUTING_HEADER = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """This rank's part of a plan: where each local unit goes and how many rows travel.
@@ -77,6 +81,7 @@ class Routing:
             self.dtype_code,
             int(self.pixels_need_grad),
         ]
+        assert len(header) == ROUTING_HEADER
         values = header + self.send_rows + self.recv_rows + self.unit_rows + self.dest
         padding = routing_size(max_units, len(self.send_rows)) - len(values)
         if padding < 0:
@@ -105,8 +110,10 @@ class Routing:
     @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
         values = routing.tolist()  # CPU tensor: no device sync
-        applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code, grad = values[:8]
-        body = values[8:]
+        applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code, grad = values[
+            :ROUTING_HEADER
+        ]
+        body = values[ROUTING_HEADER:]
         if len(body) < 2 * num_units + 2 * world:
             raise ValueError(f"malformed routing tensor of {len(values)} values")
         return cls(
@@ -130,15 +137,22 @@ class Routing:
 
 def routing_size(max_units: int, world_size: int) -> int:
     """Length of a packed routing tensor."""
-    return 8 + 2 * world_size + 2 * max_units
+    return ROUTING_HEADER + 2 * world_size + 2 * max_units
 
 
 def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
     """Everything ``plan_units`` needs besides the data, as one string (a custom-op argument,
-    so it is part of the compiled graph and of every cache key)."""
+    so it is part of the compiled graph and of every cache key).
+
+    It also names the routing layout (``ROUTING_HEADER``): the ``plan`` fake kernel's output
+    size depends on it, and inductor's on-disk caches key compiled graphs on their code, not on
+    fake kernels, so a graph compiled by an older layout must not be served to a newer one (seen:
+    ``expected size 14==13 ... Error in op: torch.ops.vitbal.plan.default``).
+    """
     fields = dataclasses.asdict(config)
     fields["cost_coeffs"] = list(config.cost_coeffs) if config.cost_coeffs else None
-    return json.dumps({"config": fields, "cost": cost_to_spec(cost_model)}, sort_keys=True)
+    spec = {"config": fields, "cost": cost_to_spec(cost_model), "routing": ROUTING_HEADER}
+    return json.dumps(spec, sort_keys=True)
 
 
 def parse_planner_spec(spec: str) -> tuple[BalanceConfig, CostModel]:

@@ -51,7 +51,7 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     visual_1 = self.visual
     in_balancing_mode = fx_vitbal_encoder_in_balancing_mode(visual_1, 'training');  visual_1 = None
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0', in_balancing_mode);  image_grid_thw = in_balancing_mode = None
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 8}', 2, '0', in_balancing_mode);  image_grid_thw = in_balancing_mode = None
     getitem_7 = plan_default[0]
     getitem_8 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 4, [4], None, '0')
@@ -98,7 +98,7 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     visual_1 = self.visual
     in_balancing_mode = fx_vitbal_encoder_in_balancing_mode(visual_1, 'training');  visual_1 = None
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}"}', 2, '0', in_balancing_mode);  in_balancing_mode = None
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 8}', 2, '0', in_balancing_mode);  in_balancing_mode = None
     getitem_7 = plan_default[0]
     getitem_8 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 4, [4], None, '0')
