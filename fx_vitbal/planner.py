@@ -265,14 +265,18 @@ def _place(
     in ``full`` instead of being popped again for each of them. Units come roughly in descending
     rows, so each rank changes heaps a few times: O(units * log ranks) in practice.
     """
+    cost, tokens, src = units.cost, units.tokens, units.src
+    room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
+    # A rank with room for none of the units starts in ``full``: placing units that fit nowhere
+    # (best-fit's leftovers on nearly full ranks) would otherwise first move every rank there.
+    least = min((tokens[u] for u in order), default=0)
     # Loads only grow and rooms only shrink, so an entry older than its rank is a bound: refresh
     # it when it surfaces instead of pushing on every change. The open top taking the unit (the
     # common case) is updated at once, saving its refresh on the next unit.
-    open_ = [(load, r) for r, load in enumerate(loads)]
+    open_ = [(load, r) for r, load in enumerate(loads) if room[r] >= least]
+    full = [(-room[r], r) for r in range(len(loads)) if room[r] < least]
     heapq.heapify(open_)
-    full: list[tuple[float, int]] = []
-    room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
-    cost, tokens, src = units.cost, units.tokens, units.src
+    heapq.heapify(full)
     for u in order:
         need, home = tokens[u], src[u]
         if loads[home] + cost[u] <= home_fill and room[home] >= need:
