@@ -107,5 +107,8 @@ def _worker(rank, fn, world_size, tmp, args):
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+        # Every rank done before any tears its connections down: gloo aborted once in teardown
+        # ("terminate called without an active exception") without this.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
