@@ -177,7 +177,8 @@ def enable_vit_balance(
     hooks and FSDP wrapping are untouched. When the ViT sits in a wrapper (``checkpoint_wrapper``,
     FSDP1, ``torch.compile``), the wrapper's ``forward`` is the one replaced, so images move
     before it runs. Calling it again updates config and group. Balancing runs while the ViT is
-    in training mode: in eval mode (generation), ranks need not step together. Hugging Face VLMs
+    in training mode (or always, with ``config.when="always"``): in eval mode (generation),
+    ranks need not step together and no collective runs. Hugging Face VLMs
     and towers go to ``fx_vitbal.integrations.hf``. Wrappers around ``model`` (DDP, FSDP1,
     ``torch.compile``) are seen through.
 
@@ -199,7 +200,7 @@ def enable_vit_balance(
     original = getattr(module, "_vitbal_original_forward", module.forward)
     module._vitbal_original_forward = original
     module._vitbal_planner = planner_for(module, config or BalanceConfig())
-    module.forward = functools.partial(_training_call, module, original, config, group)
+    module.forward = functools.partial(_in_place_call, module, original, config, group)
     return model
 
 
@@ -383,7 +384,7 @@ def _without_images(run, pixel_values, route, area, grad):
     return [o[:0] for o in outputs], extra
 
 
-def _training_call(vit, original, config, group, pixel_values, image_grid_thw):
+def _in_place_call(vit, original, config, group, pixel_values, image_grid_thw):
     planner = vit._vitbal_planner
     return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group, planner)
 
