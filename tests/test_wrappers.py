@@ -27,6 +27,9 @@ def _wrapped(how: str, group: dist.ProcessGroup):
     model = _model()
     if how == "ddp_parent":
         return fx_vitbal.enable_vit_balance(DistributedDataParallel(model), group=group), model
+    if how == "fsdp1_parent":
+        fsdp = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+        return fx_vitbal.enable_vit_balance(fsdp, group=group), fsdp
     if how == "compiled_parent":
         compiled = torch.compile(model, backend="eager")
         return fx_vitbal.enable_vit_balance(compiled, group=group), model
@@ -51,6 +54,9 @@ def _wrapped(how: str, group: dist.ProcessGroup):
 
 
 def _grads(module) -> torch.Tensor:
+    if isinstance(module, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(module, with_grads=True):
+            return _grads_of(module)
     if isinstance(module.visual, FullyShardedDataParallel):
         with FullyShardedDataParallel.summon_full_params(module.visual, with_grads=True):
             return _grads_of(module)
@@ -78,6 +84,7 @@ def _all_wrappers(rank: int, world: int, hows: list[str]) -> dict:
 
 HOWS = [
     "ddp_parent",
+    "fsdp1_parent",
     "compiled_parent",
     "checkpointed_vit",
     "compiled_vit",
