@@ -8,6 +8,7 @@ taken from the gathered data, so all ranks raise the same ``ValueError`` or none
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Sequence
 
 import torch
@@ -86,8 +87,11 @@ def gather_grids(
 
 def settings_fingerprint(planner: str, merge_size: int, world_size: int) -> int:
     """A 56-bit digest of everything that shapes the plan besides the data (config, cost model,
-    unit rule: all in ``planner``), the same in every process: ranks compare it."""
-    text = f"{planner}|{merge_size}|{world_size}".encode()
+    unit rule: all in ``planner``), the same in every process: ranks compare it. ``verbose``
+    shapes nothing (``verbose=(rank == 0)`` is a common set-up), so it is left out."""
+    spec = json.loads(planner)
+    spec["config"]["verbose"] = False
+    text = f"{json.dumps(spec, sort_keys=True)}|{merge_size}|{world_size}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 

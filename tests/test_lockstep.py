@@ -2,6 +2,9 @@
 and steps without images. Each test would hang or raise on one rank only without the guarantee
 (gloo's collective timeout is 60 s, so a hang fails the test instead of stalling it)."""
 
+import contextlib
+import io
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,6 +81,10 @@ def _settings_differ(rank: int, world: int) -> list[str]:
     with pytest.raises(ValueError) as info:
         fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, config=config)
     fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)  # same settings again: a good step
+    # Printing on rank 0 only shapes no plan: not a disagreement.
+    printing = fx_vitbal.BalanceConfig(verbose=rank == 0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, config=printing)
     return [str(info.value)]
 
 
