@@ -238,7 +238,8 @@ def group_name_and_size(group: dist.ProcessGroup | None) -> tuple[str, int] | No
     torchrun sets it) but no process group is initialised: balancing would silently be off.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        _warn_if_launched_without_group()
+        if not torch.compiler.is_compiling():  # eager calls warn; dynamo would trace the cache
+            _warn_if_launched_without_group()
         return None
     group = group or dist.group.WORLD
     size = dist.get_world_size(group)
