@@ -5,6 +5,7 @@ import datetime
 import os
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,12 +29,21 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                raise TimeoutError(f"{world_size} ranks did not finish within {timeout} s")
-        return [torch.load(os.path.join(tmp, f"result{r}.pt")) for r in range(world_size)]
+        paths = [os.path.join(tmp, f"result{r}.pt") for r in range(world_size)]
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"{world_size} ranks did not finish within {timeout} s")
+        except mp.ProcessExitedException as exited:
+            # A rank killed by a signal after every rank saved its result and met the others at
+            # the closing barrier died tearing gloo down ("terminate called without an active
+            # exception", about 1 run in 8 of some tests here); what it computed stands.
+            if not all(os.path.exists(path) for path in paths):
+                raise
+            warnings.warn(f"a rank crashed after returning its result: {exited}", stacklevel=2)
+        return [torch.load(path) for path in paths]
 
 
 @contextlib.contextmanager
@@ -106,9 +116,9 @@ def _worker(rank, fn, world_size, tmp, args):
     )
     try:
         result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
-        # Every rank done before any tears its connections down: gloo aborted once in teardown
-        # ("terminate called without an active exception") without this.
-        dist.barrier()
+        path = os.path.join(tmp, f"result{rank}.pt")
+        torch.save(result, path + ".part")
+        os.replace(path + ".part", path)  # whole or absent, even if this rank dies right after
+        dist.barrier()  # every rank saved before any rank tears its connections down
     finally:
         dist.destroy_process_group()
