@@ -7,6 +7,7 @@ taken from the gathered data, so all ranks raise the same ``ValueError`` or none
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Grid rows that ride in the metadata header; ranks with more need a second gather.
 INLINE_GRID_ROWS = 32
 # Header fields gathered from every rank, one int64 row per rank.
-_STATUS, _ARG0, _ARG1, _NUM_ROWS, _PIXEL_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT, _GRAD = range(9)
+_STATUS, _ARG0, _ARG1, _NUM_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT, _GRAD = range(8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,7 @@ def gather_grids(
     return Gathered([grids[r][: headers[r][_NUM_ROWS]] for r in range(world)], *agreed)
 
 
+@functools.lru_cache(maxsize=64)  # one config per model: parse and hash it once
 def settings_fingerprint(planner: str, merge_size: int, world_size: int) -> int:
     """A 56-bit digest of everything that shapes the plan besides the data (config, cost model,
     unit rule: all in ``planner``), the same in every process: ranks compare it. ``verbose``
@@ -180,10 +182,9 @@ def _local_header(
     """``(header, grid rows)``; a bad input sets a status code and sends no rows."""
     dtype_code = DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1
     numel = row_numel(pixel_values) if pixel_values.dim() >= 1 else 0
-    pixel_rows = pixel_values.shape[0] if pixel_values.dim() >= 1 else 0
     status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw, merge_size, dtype_code)
     grad = int(pixel_values.requires_grad)
-    header = [status, arg0, arg1, len(rows), pixel_rows, numel, dtype_code, fingerprint, grad]
+    header = [status, arg0, arg1, len(rows), numel, dtype_code, fingerprint, grad]
     return header, rows
 
 
