@@ -117,9 +117,12 @@ def solve_plan(
         return skip("dominant-unit")
 
     order = units.by_cost_desc()
-    # Rows that no assignment fits under the cap make the plain greedy break it too: skip it.
+    # The plain greedy balances cost, not rows: it cannot keep a cap that no assignment keeps,
+    # nor one at or below the mean rows unless every rank ends exactly at the cap, and where it
+    # keeps the cap the capped pass makes the same choices. Only try it when the cap has slack.
+    slack = cap * units.num_ranks > sum(units.tokens)
     keepable = home_keeps_cap or not _cap_unkeepable(units, cap)
-    free = _lpt(units, order, base) if keepable else None
+    free = _lpt(units, order, base) if keepable and slack else None
     lpt = _refine(
         free
         if free is not None and _cap_respected(free, units, cap)
@@ -536,26 +539,32 @@ def _best_fit(
 
 
 def _units_to_shed(ascending: list[int], excess: float, units: _Units) -> list[int]:
-    """Units of one rank whose costs cover ``excess`` with few tokens (``ascending`` by cost).
+    """Units of one rank whose costs cover ``excess`` with few rows (``ascending`` by cost).
 
-    Two candidates: the cheapest single unit that covers the excess, or the largest units below it
-    taken greedily. The one moving fewer tokens wins; small units also place more easily. With no
-    excess (only the row cap is exceeded) the largest unit goes.
+    Two candidates: the cheapest single unit that covers the excess, or the largest units below
+    it while they leave some of it, closed by the cheapest other unit covering the rest. The one
+    moving fewer rows wins (the second on ties): large units carry fewer rows per cost, small
+    ones place more easily. With no excess (only the row cap is exceeded) the largest unit goes;
+    with nothing covering the excess (history alone exceeds the target), every unit goes.
     """
     if excess <= 0:
         return [ascending[-1]]
-    single = next((u for u in ascending if units.cost[u] >= excess), None)
+    cost, tokens = units.cost, units.tokens
+    single = next((u for u in ascending if cost[u] >= excess), None)
     several: list[int] = []
     covered = 0.0
     for u in reversed(ascending):
-        if units.cost[u] < excess and covered < excess:
+        if 0 < cost[u] < excess:
+            if covered + cost[u] >= excess:
+                break
             several.append(u)
-            covered += units.cost[u]
-    if covered < excess:
-        several = []
-    if single is None:
-        return several or [ascending[-1]]
-    if several and sum(units.tokens[u] for u in several) <= units.tokens[single]:
+            covered += cost[u]
+    taken = set(several)
+    closing = next((u for u in ascending if u not in taken and cost[u] >= excess - covered), None)
+    if closing is None:
+        return list(ascending)
+    several.append(closing)
+    if single is None or sum(tokens[u] for u in several) <= tokens[single]:
         return several
     return [single]
 
