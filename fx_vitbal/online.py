@@ -34,7 +34,8 @@ Unit = tuple[int, int, int]
 MIN_OBSERVATIONS = 16
 """Observations (rank-steps) before the full fit is trusted alone: about 4 per coefficient."""
 MAX_OBSERVATIONS = 1024
-"""Observations kept over the window: bounds the pure-Python fit to a few ms at any world size."""
+"""Observations kept over the window, at any world size: the pure-Python fit of 1024 takes about
+20 ms (measured on a busy 2-core CPU at 2048 ranks; under 16 observations it is negligible)."""
 HUBER_ITERATIONS = 4
 TUKEY_ITERATIONS = 4
 # Tuning constants at 95% efficiency under Gaussian noise (Holland & Welsch 1977); 1.4826 makes
