@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import math
 
-COST_MODELS = ("auto", "quadratic", "polynomial", "architecture")
+COST_MODELS = ("auto", "quadratic", "polynomial", "architecture", "online")
 STRATEGIES = ("min-move", "lpt")
 SKIP_RULES = ("no-gain", "seed")
 WHEN = ("training", "always")
@@ -52,8 +52,9 @@ class BalanceConfig:
 
     cost_model: str = "auto"
     """``auto`` (architecture-aware when the ViT's dimensions are known, else quadratic),
-    ``quadratic`` (``(t*h*w)**2``), ``polynomial`` (needs ``cost_coeffs``) or
-    ``architecture``."""
+    ``quadratic`` (``(t*h*w)**2``), ``polynomial`` (needs ``cost_coeffs``), ``architecture``
+    or ``online`` (fitted every step from every rank's measured ViT time, starting from
+    ``auto``'s model; ``fx_vitbal.online``)."""
 
     cost_coeffs: tuple[float, float, float] | None = None
     """``(a, b, c)`` of ``a*l**2 + b*l + c`` for the polynomial model (``PolynomialCost.fit``)."""
@@ -194,7 +195,7 @@ def add_vit_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--dp-balance-cost-model-vit",
         choices=COST_MODELS,
         default=d.cost_model,
-        help="per-image cost model",
+        help="per-image cost model (online: fitted from measured per-rank ViT times)",
     )
     g.add_argument(
         "--dp-balance-cost-coeffs-vit",

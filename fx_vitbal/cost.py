@@ -122,10 +122,44 @@ class ArchitectureCost:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnlineCost:
+    """Settings of the cost model fitted online from measured per-rank ViT times.
+
+    The fitted coefficients change every step, but every rank computes the same ones from the same
+    gathered timings (``fx_vitbal.online``), so what ranks must agree on, and what the planner
+    fingerprint names, is only this: the kind, the prior and the window. Called as a cost model it
+    is its prior, which is what the fit starts from before any timing has arrived.
+    """
+
+    prior: QuadraticCost | ArchitectureCost
+    """Where the fit starts: the architecture model when the ViT's dimensions are known, else
+    the seed's ``l**2``."""
+    window: int = 20
+    """Steps of per-rank timings the fit uses (older ones are dropped)."""
+    per_frame: bool = True
+    """The fit's attention feature sums ``(h*w)**2`` over a unit's frames, else it is
+    ``(t*h*w)**2``. Frames by default, even for an unregistered ViT: every Qwen-family tower
+    attends per frame; a ViT attending over whole clips should be registered with its
+    architecture (``ArchitectureCost.per_frame=False``)."""
+
+    def __post_init__(self) -> None:
+        if type(self.prior) not in (QuadraticCost, ArchitectureCost):
+            raise ValueError(
+                f"OnlineCost.prior must be QuadraticCost or ArchitectureCost, got {self.prior!r}"
+            )
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"OnlineCost.window must be an int >= 1, got {self.window!r}")
+
+    def __call__(self, t: int, h: int, w: int) -> float:
+        return self.prior(t, h, w)
+
+
 _KINDS = {
     "quadratic": QuadraticCost,
     "polynomial": PolynomialCost,
     "architecture": ArchitectureCost,
+    "online": OnlineCost,
 }
 
 
@@ -133,14 +167,20 @@ def cost_to_spec(model: CostModel) -> str:
     """Serialize a built-in cost model to a JSON string (it travels as a custom-op argument)."""
     for kind, cls in _KINDS.items():
         if type(model) is cls:
-            return json.dumps({"kind": kind, **dataclasses.asdict(model)}, sort_keys=True)
+            fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+            if kind == "online":
+                fields["prior"] = json.loads(cost_to_spec(model.prior))
+            return json.dumps({"kind": kind, **fields}, sort_keys=True)
     raise TypeError(f"only built-in cost models can be serialized, got {type(model).__name__}")
 
 
 def cost_from_spec(spec: str) -> CostModel:
     """Inverse of ``cost_to_spec``."""
     fields = json.loads(spec)
-    return _KINDS[fields.pop("kind")](**fields)
+    kind = fields.pop("kind")
+    if kind == "online":
+        fields["prior"] = cost_from_spec(json.dumps(fields["prior"]))
+    return _KINDS[kind](**fields)
 
 
 def choose_cost_model(
@@ -158,6 +198,10 @@ def choose_cost_model(
         if coeffs is None or len(coeffs) != 3:
             raise ValueError(f"the polynomial cost model needs (a, b, c), got {coeffs!r}")
         return PolynomialCost(*coeffs)
+    if config_cost_model == "online":
+        if architecture is None:
+            return OnlineCost(prior=QuadraticCost())
+        return OnlineCost(prior=architecture, per_frame=architecture.per_frame)
     if config_cost_model not in ("auto", "architecture"):
         raise ValueError(f"unknown cost model {config_cost_model!r}")
     if architecture is None:

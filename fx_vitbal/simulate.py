@@ -22,6 +22,7 @@ from fx_vitbal.config import COST_MODELS, BalanceConfig, add_vit_balance_args
 from fx_vitbal.cost import (
     ArchitectureCost,
     CostModel,
+    OnlineCost,
     PolynomialCost,
     QuadraticCost,
     choose_cost_model,
@@ -37,6 +38,7 @@ _COST_NAMES = {
     ArchitectureCost: "architecture",
     QuadraticCost: "quadratic",
     PolynomialCost: "polynomial",
+    OnlineCost: "online",  # with no timings here, it plans with its prior
 }
 
 
@@ -46,7 +48,8 @@ class Simulation:
 
     plan: Plan
     planner_cost: str
-    """Cost model the planner used: ``architecture``, ``quadratic`` or ``polynomial``."""
+    """Cost model the planner used: ``architecture``, ``quadratic``, ``polynomial`` or ``online``
+    (its prior: a single step has no timings yet; ``fx_vitbal.simulate_online`` feeds some)."""
     num_images: int
     num_units: int
     total_rows: int

@@ -57,7 +57,7 @@ def test_polynomial_model_needs_three_non_negative_finite_coeffs(coeffs):
     assert repr(coeffs) in str(info.value)
 
 
-@pytest.mark.parametrize("model", ["auto", "quadratic", "architecture"])
+@pytest.mark.parametrize("model", ["auto", "quadratic", "architecture", "online"])
 def test_coeffs_without_polynomial_model_raise_naming_cost_model(model):
     with pytest.raises(ValueError, match=re.escape("BalanceConfig.cost_model")) as info:
         BalanceConfig(cost_model=model, cost_coeffs=(1.0, 2.0, 3.0))
@@ -169,3 +169,9 @@ def test_unknown_choice_is_rejected_by_argparse():
 def test_add_args_returns_the_parser_for_chaining():
     parser = argparse.ArgumentParser()
     assert add_vit_balance_args(parser) is parser
+
+
+def test_online_cost_model_flag():
+    assert parse(["--dp-balance-cost-model-vit", "online"]) == BalanceConfig(
+        enabled=False, cost_model="online"
+    )

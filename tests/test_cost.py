@@ -1,11 +1,13 @@
 """Tests for the per-unit cost models and how a config name resolves to one."""
 
+import dataclasses
 import json
 
 import pytest
 
 from fx_vitbal.cost import (
     ArchitectureCost,
+    OnlineCost,
     PolynomialCost,
     QuadraticCost,
     choose_cost_model,
@@ -71,7 +73,15 @@ def test_polynomial_fit_rejects_too_few_or_non_positive_samples(tokens, seconds)
 
 
 @pytest.mark.parametrize(
-    "model", [QuadraticCost(), PolynomialCost(1.5, 2.0, 3.0), QWEN2_VL_7B, WINDOWED]
+    "model",
+    [
+        QuadraticCost(),
+        PolynomialCost(1.5, 2.0, 3.0),
+        QWEN2_VL_7B,
+        WINDOWED,
+        OnlineCost(prior=QuadraticCost()),
+        OnlineCost(prior=WINDOWED, window=7, per_frame=False),
+    ],
 )
 def test_spec_round_trip_gives_an_equal_model(model):
     spec = cost_to_spec(model)
@@ -176,3 +186,33 @@ def test_choose_architecture_needs_known_dimensions():
     assert choose_cost_model("architecture", None, WINDOWED) is WINDOWED
     with pytest.raises(ValueError, match="dimensions"):
         choose_cost_model("architecture", None, None)
+
+
+def test_choose_online_starts_from_the_best_prior():
+    assert choose_cost_model("online", None, WINDOWED) == OnlineCost(prior=WINDOWED)
+    assert choose_cost_model("online", None, None) == OnlineCost(prior=QuadraticCost())
+    clip = dataclasses.replace(QWEN2_VL_7B, per_frame=False)
+    assert choose_cost_model("online", None, clip).per_frame is False
+
+
+def test_online_spec_names_kind_prior_and_window_not_coefficients():
+    """Ranks must agree on it, and the fitted coefficients change every step: they are computed
+    alike on every rank from gathered timings, so the spec (and the planner fingerprint built on
+    it) holds only the settings."""
+    spec = json.loads(cost_to_spec(OnlineCost(prior=QWEN2_VL_7B, window=12)))
+    assert set(spec) == {"kind", "prior", "window", "per_frame"}
+    assert spec["kind"] == "online" and spec["window"] == 12
+    assert spec["prior"] == json.loads(cost_to_spec(QWEN2_VL_7B))
+
+
+def test_online_cost_without_timings_is_its_prior():
+    assert OnlineCost(prior=WINDOWED)(2, 32, 48) == WINDOWED(2, 32, 48)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"prior": PolynomialCost(1, 2, 3)}, "prior"), ({"window": 0}, "window")],
+)
+def test_online_cost_rejects_bad_settings(overrides, message):
+    with pytest.raises(ValueError, match=f"OnlineCost.{message}"):
+        OnlineCost(**{"prior": QuadraticCost(), **overrides})
