@@ -3,6 +3,7 @@ similar work, and move the outputs back so the rest of the model sees exactly wh
 """
 
 from fx_vitbal import ops  # noqa: F401  (registers the vitbal:: custom ops)
+from fx_vitbal.ahead import PlannedBatch, plan_ahead, use_plan
 from fx_vitbal.check import VisionEncoderReport, check_vision_encoder
 from fx_vitbal.config import BalanceConfig, add_vit_balance_args
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
@@ -29,6 +30,10 @@ __all__ = [
     "enable_vit_balance",
     "register_vision_encoder",
     "VisionEncoderSpec",
+    # planning ahead, in the data pipeline
+    "plan_ahead",
+    "use_plan",
+    "PlannedBatch",
     # checking a ViT before balancing it
     "check_vision_encoder",
     "VisionEncoderReport",

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,11 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
 from fx_vitbal.exchange import Routing, planner_spec
 
+if TYPE_CHECKING:
+    from fx_vitbal.ahead import PlannedBatch
+
 log = logging.getLogger(__name__)
+
 
 VIT_CHILD_NAMES = ("visual", "vision_model", "vision_tower", "image_encoder")
 # Child names under which torch.compile's OptimizedModule, checkpoint_wrapper / offload_wrapper
@@ -144,13 +149,16 @@ def dp_balance_vit_encoder(
     *,
     config: BalanceConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    plan: "PlannedBatch | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Run ``vit`` on a batch balanced across the data-parallel group; return its outputs in the
     original layout, as if ``vit(pixel_values, image_grid_thw)`` had run locally.
 
     Every rank of ``group`` must call this at the same step (with zero images if it has none).
     Without an initialised process group, with one rank, or with ``config.enabled`` False it is a
-    plain call. ``vit`` needs no registration (see the module doc).
+    plain call. ``vit`` needs no registration (see the module doc). ``plan``: this batch's plan,
+    made ahead by ``fx_vitbal.plan_ahead`` (then no metadata gather and no planning runs here;
+    eager only); every rank passes one or none does.
 
     Returns:
         ``(pixel_embeds, window_index, deepstack_pixel_embeds)``, each embedding in the layout
@@ -158,10 +166,12 @@ def dp_balance_vit_encoder(
         when the ViT returns None).
 
     Raises:
-        ValueError: on every rank, when any rank's input or ViT output is malformed.
+        ValueError: on every rank, when any rank's input or ViT output is malformed, or its
+            batch is not the one ``plan`` was made for (``fx_vitbal.ahead``).
         TypeError: ``vit`` has no ``spatial_merge_size``.
     """
-    return _balanced_call(vit, plain_forward(vit), pixel_values, image_grid_thw, config, group)
+    call = plain_forward(vit)
+    return _balanced_call(vit, call, pixel_values, image_grid_thw, config, group, planned=plan)
 
 
 def enable_vit_balance(
@@ -292,7 +302,9 @@ def in_balancing_mode(vit: nn.Module, when: str) -> bool:
     return vit.training or when == "always"
 
 
-def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=None, planner=None):
+def _balanced_call(
+    vit, call, pixel_values, image_grid_thw, config=None, group=None, planner=None, planned=None
+):
     config = config or BalanceConfig()
     dist_info = group_name_and_size(group)
     if not (dist_info is not None and balancing_active(vit, config)):
@@ -312,7 +324,7 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
         return [embeds, *deepstack], window_index
 
     outputs, window_index = run_balanced(
-        run, pixel_values, image_grid_thw, merge, planner, dist_info, grad_without_images=True
+        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, planned
     )
     if outputs is None:
         return None, None, []
@@ -322,7 +334,14 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
 
 
 def run_balanced(
-    run, pixel_values, image_grid_thw, merge, planner, dist_info, grad_without_images=False
+    run,
+    pixel_values,
+    image_grid_thw,
+    merge,
+    planner,
+    dist_info,
+    grad_without_images=False,
+    planned=None,
 ):
     """plan -> redistribute -> ``run(pixels, grid)`` -> restore, the one balanced ViT call of
     every eager and in-place path (and of compiled wrappers, which trace it).
@@ -344,10 +363,18 @@ def run_balanced(
       ``find_unused_parameters`` needs it). The choice is the caller's, the same on every rank,
       so FSDP's backward collectives stay matched. (Under ``torch.compile`` the dummy unit always
       runs with gradients: zeros.)
+    ``planned`` (a ``fx_vitbal.ahead.PlannedBatch``) replaces the ``plan`` op's gather and solve.
     """
     group_name, world_size = dist_info
     area = merge * merge
-    grid, routing = ops.plan(pixel_values, image_grid_thw, merge, planner, world_size, group_name)
+    if planned is None:
+        grid, routing = ops.plan(
+            pixel_values, image_grid_thw, merge, planner, world_size, group_name
+        )
+    else:
+        pixel_values, grid, routing = _planned_inputs(
+            planned, pixel_values, image_grid_thw, (planner, merge), group_name
+        )
     if not torch.compiler.is_compiling():
         route = Routing.of(routing)
         if not route.any_units:
@@ -360,6 +387,15 @@ def run_balanced(
     layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
     home_blocks = pixel_values.shape[0] // area
     return ops.restore(outputs, routing, area, layouts, home_blocks, group_name), extra
+
+
+# Under torch.compile, dynamo runs it eagerly between graphs; fullgraph=True refuses it.
+@torch.compiler.disable(
+    reason="a plan made ahead (fx_vitbal.plan_ahead) is handed over eagerly; with "
+    "fullgraph=True, let the compiled graph plan in the step (pass no plan)"
+)
+def _planned_inputs(planned, pixel_values, image_grid_thw, settings, group_name):
+    return planned.for_step(pixel_values, image_grid_thw, settings, group_name)
 
 
 def _taking_part(pixel_values: torch.Tensor, route: Routing) -> torch.Tensor:
@@ -387,7 +423,10 @@ def _without_images(run, pixel_values, route, area, grad):
 
 def _in_place_call(vit, original, config, group, pixel_values, image_grid_thw):
     planner = vit._vitbal_planner
-    return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group, planner)
+    planned = vars(vit).pop("_vitbal_next_plan", None)  # fx_vitbal.use_plan: for one call
+    return _balanced_call(
+        vit, original, pixel_values, image_grid_thw, config, group, planner, planned
+    )
 
 
 def plain_forward(vit: nn.Module) -> Callable:

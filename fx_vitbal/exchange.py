@@ -46,10 +46,12 @@ class Routing:
     ``any_units`` is False on a step where no rank has an image (every rank knows it from the
     gathered metadata); ``row_numel`` and ``dtype_code`` describe the pixel rows of the ranks
     that passed a pixel tensor (0: none did), so a rank that passed None can still receive rows;
-    ``pixels_need_grad`` says whether any rank's pixels require gradients.
+    ``pixels_need_grad`` says whether any rank's pixels require gradients. ``mismatched`` (set
+    only by a plan-ahead step, ``fx_vitbal.ahead``) says this rank's batch is not the one planned:
+    ``restore``'s layout check then makes every rank raise.
 
     Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
-    ``[applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code,
+    ``[applied | 2 * mismatched, num_units, world, dummy_rows, any_units, row_numel, dtype_code,
     pixels_need_grad, send_rows_R, recv_rows_R, unit_rows_U, dest_U]``, zero-padded to
     ``routing_size(max_units, world)``. The padding gives the tensor a size known from the
     inputs (``max_units`` follows from the pixel rows), so compiled graphs need no fresh
@@ -66,13 +68,14 @@ class Routing:
     row_numel: int = 0
     dtype_code: int = 0
     pixels_need_grad: bool = False
+    mismatched: bool = False
     permutations: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """Row permutations already built for this step, by ``(shrink, device)``: the four moves
     of a step (two forward, two backward) build and copy each one once."""
 
     def to_tensor(self, max_units: int) -> torch.Tensor:
         header = [
-            int(self.applied),
+            int(self.applied) | 2 * int(self.mismatched),
             len(self.unit_rows),
             len(self.send_rows),
             self.dummy_rows,
@@ -117,7 +120,8 @@ class Routing:
         if len(body) < 2 * num_units + 2 * world:
             raise ValueError(f"malformed routing tensor of {len(values)} values")
         return cls(
-            applied=bool(applied),
+            applied=bool(applied & 1),
+            mismatched=bool(applied & 2),
             send_rows=body[:world],
             recv_rows=body[world : 2 * world],
             unit_rows=body[2 * world : 2 * world + num_units],

@@ -102,11 +102,17 @@ MAX_OUTPUTS = 16
 
 
 def check_output_layouts(
-    xs: Sequence[torch.Tensor], block_rows: Sequence[int], blocks: int, group: dist.ProcessGroup
+    xs: Sequence[torch.Tensor],
+    block_rows: Sequence[int],
+    blocks: int,
+    group: dist.ProcessGroup,
+    mismatched: bool = False,
 ) -> None:
     """Raise the same ``ValueError`` on every rank unless every rank's ViT outputs have rows
     that fit their layout (``blocks * block_rows[i]``) and all ranks agree on each output's
-    layout, dtype and row width (one small gather of a fixed-size header).
+    layout, dtype and row width (one small gather of a fixed-size header). The header's last
+    field carries ``mismatched``: a plan-ahead step (``fx_vitbal.ahead``) whose batch is not the
+    one planned on this rank; then every rank raises, before any output moves home.
 
     Raises:
         ValueError: on every rank, naming each rank and output at fault.
@@ -118,11 +124,13 @@ def check_output_layouts(
         dtype = DTYPES.index(x.dtype) if x.dtype in DTYPES else len(DTYPES)
         header += [n if fits else -x.shape[0] - 1, dtype, row_numel(x)]
     header += [0] * (1 + 3 * MAX_OUTPUTS - len(header))
+    header.append(int(mismatched))
     device = meta_device(group, xs[0].device)
     gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
     local = torch.tensor(header, dtype=torch.int64, device=device)
     dist.all_gather_single(gathered, local, group)
     headers = gathered.view(world, len(header)).tolist()
+    _raise_if_not_as_planned([h.pop() for h in headers])
     problems = []
     for r, h in enumerate(headers):
         if h[0] > MAX_OUTPUTS:
@@ -141,6 +149,17 @@ def check_output_layouts(
         problems.insert(0, "ranks disagree on the ViT's outputs")
     if problems:
         raise ValueError("vit dp balance: bad ViT output; " + "; ".join(problems))
+
+
+def _raise_if_not_as_planned(mismatched_R: list[int]) -> None:
+    ranks = [r for r, flag in enumerate(mismatched_R) if flag]
+    if ranks:
+        raise ValueError(
+            "vit dp balance: the batch the ViT got is not the batch planned ahead for it "
+            f"(fx_vitbal.plan_ahead) on rank(s) {ranks}; no output was restored on any rank. "
+            "Plan each batch with the pixels (shape, dtype, requires_grad), grid and balancing "
+            "settings the ViT call gets, on every rank, in the order of the steps"
+        )
 
 
 def _layouts(header: list[int]) -> list[tuple[str, str, int]]:

@@ -39,6 +39,7 @@ from fx_vitbal.exchange import (
     with_dummy,
 )
 from fx_vitbal.metadata import check_output_layouts, gather_grids, settings_fingerprint
+from fx_vitbal.planner import Plan
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -70,13 +71,27 @@ def plan(
             f"world_size={world_size} but group {group_name!r} has {dist.get_world_size(group)} "
             "ranks"
         )
-    rank = dist.get_rank(group)
-    units = max_units(pixel_values.shape[0], merge_size)
     if not active:
+        rank = dist.get_rank(group)
+        units = max_units(pixel_values.shape[0], merge_size)
         routing = local_only_routing(grid_thw.tolist(), rank, world_size, merge_size)
         rows = grid_thw.tolist() or [[1, merge_size, merge_size]]
         grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device)
         return grid, routing.to_tensor(units)
+    grid, routing, _ = solve_for_rank(pixel_values, grid_thw, merge_size, planner, group)
+    return grid, routing
+
+
+def solve_for_rank(
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    merge_size: int,
+    planner: str,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+    """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
+    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     fingerprint = settings_fingerprint(planner, merge_size, world_size)
     gathered = gather_grids(pixel_values, grid_thw, merge_size, group, fingerprint)
     solved, units_R = plan_units(gathered.grids_R, rank, planner)
@@ -91,7 +106,8 @@ def plan(
     if not solved.applied:  # the original batch, plus the dummy unit if it is empty
         rows = grid_thw.tolist() or rows
     grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device)
-    return grid, routing.to_tensor(units)
+    units = max_units(pixel_values.shape[0], merge_size)
+    return grid, routing.to_tensor(units), solved
 
 
 def max_units(pixel_rows: int, merge_size: int) -> int:
@@ -195,7 +211,7 @@ def _move(xs, routing, merge_area, block_rows, reverse, group_name):
     dummy = route.dummy_rows // merge_area
     if reverse and route.applied:
         blocks = (sum(route.recv_rows) + route.dummy_rows) // merge_area
-        check_output_layouts(xs, block_rows, blocks, group)
+        check_output_layouts(xs, block_rows, blocks, group, route.mismatched)
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     if reverse:
         blocks_xs = with_dummy(blocks_xs, dummy, add=False)

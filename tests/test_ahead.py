@@ -1,0 +1,234 @@
+"""Planning ahead (``fx_vitbal.ahead``): a plan made in a background thread over a gloo group of
+its own gives the step exactly the in-step result, with no metadata gather in the step; a batch
+that differs from its plan on one rank makes every rank raise the same error, and the next step
+works. 3 gloo ranks, one without images."""
+
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
+
+import fx_vitbal
+from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
+
+SKEWED = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]  # the plan is applied; rank 2 has nothing
+EVEN = [[[1, 4, 4]], [[1, 4, 4]], [[1, 4, 4]]]  # the plan is skipped
+OTHER = [[1, 8, 8]]  # what rank 1 gets instead of its planned batch
+
+
+def _model() -> OmniEncoderModel:
+    torch.manual_seed(0)
+    return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
+
+
+def _plan_in_background(vit, batches, group) -> list:
+    """``plan_ahead`` for each batch in a thread, while this thread runs collectives on the
+    default group (as a training step would)."""
+    planned, errors = [], []
+
+    def work():
+        try:
+            for pixels, grid in batches:
+                planned.append(fx_vitbal.plan_ahead(vit, pixels, grid, group=group))
+        except Exception as error:  # noqa: BLE001  (re-raised in the main thread)
+            errors.append(error)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    busy = torch.ones(1)
+    while busy.item():  # the main group stays in use, in lockstep, until every rank's plans are in
+        busy.fill_(float(thread.is_alive()))
+        dist.all_reduce(busy)
+    thread.join()
+    if errors:
+        raise errors[0]
+    return planned
+
+
+def _counting():
+    """Count the library's gathers and host reads (as test_host_syncs.py does)."""
+    counts = {"all_gather_single": 0, "tolist": 0}
+    originals = {"all_gather_single": dist.all_gather_single, "tolist": torch.Tensor.tolist}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if "fx_vitbal" in caller and "models.py" not in caller:
+                counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return wrapper
+
+    dist.all_gather_single = counting("all_gather_single")
+    torch.Tensor.tolist = counting("tolist")
+
+    def restore():
+        dist.all_gather_single = originals["all_gather_single"]
+        torch.Tensor.tolist = originals["tolist"]
+
+    return counts, restore
+
+
+def _same_results(rank: int, world: int) -> dict:
+    plan_group = dist.new_group(backend="gloo")
+    vit = _model().visual
+    input_ids, pixels, grid = make_inputs(SKEWED[rank], in_dim=24, seed=rank)
+    # The eager call on rank 2 passes None; the in-place parent passes its empty tensors.
+    batches = [(pixels, grid) if SKEWED[rank] else (None, None), (pixels, grid)]
+    eager, inplace = _plan_in_background(vit, batches, plan_group)
+    pixels, grid = batches[0]
+    results = {"applied": eager.plan.applied}
+
+    def vit_call(plan=None, balanced=True):
+        vit.zero_grad(set_to_none=True)
+        px = None if pixels is None else pixels.clone().requires_grad_(False)
+        if balanced:
+            out = fx_vitbal.dp_balance_vit_encoder(vit, px, grid, plan=plan)
+        else:
+            out = vit(px, grid) if px is not None else (None, None, [])
+        embeds, _, deepstack = out
+        loss = sum(o.pow(2).sum() / 1e3 for o in [embeds, *deepstack] if o is not None)
+        if torch.is_tensor(loss):
+            loss.backward()
+        grads = torch.cat(
+            [
+                p.grad.flatten() if p.grad is not None else p.new_zeros(p.numel())
+                for p in vit.parameters()
+            ]
+        )
+        dist.all_reduce(grads)
+        return embeds.detach() if embeds is not None else None, grads
+
+    results["unbalanced"] = vit_call(balanced=False)
+    results["in_step"] = vit_call()
+    counts, restore = _counting()
+    try:
+        with record_moves() as moves:
+            results["ahead"] = vit_call(eager)
+    finally:
+        restore()
+    results["moves"], results["counts"] = moves, counts
+    # In place: the same model trained with the plan handed over by use_plan.
+    reference = train_step(_model(), SKEWED[rank], rank)
+    model = fx_vitbal.enable_vit_balance(_model())
+    fx_vitbal.use_plan(model, inplace)
+    results["in_place"] = (train_step(model, SKEWED[rank], rank), reference)
+    results["consumed"] = "_vitbal_next_plan" not in vars(model.visual)
+    return results
+
+
+def test_a_plan_made_ahead_in_a_thread_gives_the_in_step_results_without_a_metadata_gather():
+    results = run_ranks(_same_results, 3)
+    assert all(res["applied"] for res in results)
+    for res in results:
+        ahead_embeds, ahead_grads = res["ahead"]
+        step_embeds, step_grads = res["in_step"]
+        if res["unbalanced"][0] is not None:
+            torch.testing.assert_close(ahead_embeds, res["unbalanced"][0], rtol=0, atol=0)
+        torch.testing.assert_close(ahead_grads, res["unbalanced"][1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ahead_embeds, step_embeds, rtol=0, atol=0)
+        torch.testing.assert_close(ahead_grads, step_grads, rtol=0, atol=0)
+        (got_logits, got_grads), (want_logits, want_grads) = res["in_place"]
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
+        assert res["consumed"]
+        # The step's only gather is restore's output-layout check (which carries the
+        # mismatch flag); its host reads: the grid it compares, and the gathered layouts.
+        assert res["counts"] == {"all_gather_single": 1, "tolist": 2}, res["counts"]
+    assert_units_moved(results)
+
+
+def _mismatch(rank: int, world: int) -> dict:
+    plan_group = dist.new_group(backend="gloo")
+    model = fx_vitbal.enable_vit_balance(_model())
+    batches = [make_inputs(SKEWED[rank], in_dim=24, seed=rank) for _ in range(2)]
+    even = make_inputs(EVEN[rank], in_dim=24, seed=rank)
+    planned = _plan_in_background(model.visual, [b[1:] for b in batches] + [even[1:]], plan_group)
+    results = {}
+    # Step 1: rank 1 gets another batch than planned; the plan moves rows, so every rank raises.
+    got = make_inputs(OTHER, in_dim=24, seed=7) if rank == 1 else batches[0]
+    fx_vitbal.use_plan(model, planned[0])
+    try:
+        model(*got).pow(2).mean().backward()
+        results["error"] = None
+    except ValueError as error:
+        results["error"] = str(error)
+    model.zero_grad(set_to_none=True)
+    # Step 2: the planned batch again: balanced, exact.
+    fx_vitbal.use_plan(model, planned[1])
+    with record_moves() as moves:
+        logits = model(*batches[1])
+    logits.pow(2).mean().backward()
+    results["good"] = logits.detach()
+    results["moves"] = moves
+    results["want"] = _model()(*batches[1]).detach()
+    # Step 3: a plan that moves nothing, and rank 1's batch differs: it runs its own batch.
+    got = make_inputs(OTHER, in_dim=24, seed=7) if rank == 1 else even
+    fx_vitbal.use_plan(model, planned[2])
+    results["skipped"] = (model(*got).detach(), _model()(*got).detach(), planned[2].plan.applied)
+    return results
+
+
+def test_a_batch_that_differs_from_its_plan_on_one_rank_raises_the_same_error_on_every_rank():
+    results = run_ranks(_mismatch, 3)
+    errors = {res["error"] for res in results}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert error is not None and "not the batch planned ahead" in error and "rank(s) [1]" in error
+    for res in results:
+        torch.testing.assert_close(res["good"], res["want"], rtol=1e-5, atol=1e-6)
+        got, want, applied = res["skipped"]
+        assert not applied
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert_units_moved(results)
+
+
+def _compiled(rank: int, world: int) -> dict:
+    plan_group = dist.new_group(backend="gloo")
+    vit = _model().visual
+    _, pixels, grid = make_inputs(SKEWED[rank], in_dim=24, seed=rank)
+    planned = [fx_vitbal.plan_ahead(vit, pixels, grid, group=plan_group) for _ in range(4)]
+
+    def call(pixels, grid, plan):
+        return fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, plan=plan)[0]
+
+    def call_fullgraph(pixels, grid, plan):  # a code object of its own: dynamo caches per code
+        return fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, plan=plan)[0]
+
+    out = {"eager": call(pixels, grid, planned[0]).detach()}
+    counts, restore = _counting()
+    try:
+        out["compiled"] = torch.compile(call, backend="aot_eager")(pixels, grid, planned[1])
+    finally:
+        restore()
+    out["counts"] = counts
+    with pytest.raises(Exception, match="handed over eagerly") as caught:
+        torch.compile(call_fullgraph, backend="aot_eager", fullgraph=True)(pixels, grid, planned[2])
+    out["fullgraph"] = type(caught.value).__name__
+    # In place, the whole model compiled: use_plan hands the plan to the compiled step.
+    model = torch.compile(fx_vitbal.enable_vit_balance(_model()), backend="aot_eager")
+    fx_vitbal.use_plan(model, planned[3])
+    with record_moves() as moves:
+        out["in_place"] = (
+            train_step(model, SKEWED[rank], rank),
+            train_step(_model(), SKEWED[rank], rank),
+        )
+    out["moves"] = moves
+    return out
+
+
+def test_a_plan_runs_eagerly_between_compiled_graphs_and_fullgraph_refuses_it():
+    results = run_ranks(_compiled, 3)
+    for res in results:
+        torch.testing.assert_close(
+            res["compiled"], res["eager"], rtol=1e-5, atol=1e-6
+        )  # dense attention
+        assert res["counts"] == {"all_gather_single": 1, "tolist": 2}, res["counts"]
+        assert res["fullgraph"] == "Unsupported"
+        (got_logits, got_grads), (want_logits, want_grads) = res["in_place"]
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
+    assert_units_moved(results)
