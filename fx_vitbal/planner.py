@@ -134,7 +134,9 @@ def solve_plan(
         config.max_iters,
     )
     candidates = [lpt]
-    if config.strategy == "min-move":
+    # Under a cap no assignment keeps, every rank's rows press against it, so keeping units home
+    # cannot work: min-move would shed from nearly every rank and end as a worse greedy.
+    if config.strategy == "min-move" and keepable:
         target = max(lpt.loads)
         if target >= max(loads_before):
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
