@@ -25,8 +25,9 @@ Rules that keep the ranks in lockstep:
   no collective at all: a rank whose batch differs runs its ViT on the batch it got, locally,
   which is exactly the unbalanced call (a malformed batch then fails there as it would
   unbalanced); it logs a warning. Nothing crosses ranks, so no other rank can be corrupted.
-- Eager only: under ``torch.compile`` the ``vitbal::plan`` op runs in the step, and a compiled
-  call that is handed a plan raises (``plan_under_compile``).
+- ``torch.compile``: with ``fullgraph=False`` the hand-over runs eagerly between graphs (it is
+  ``torch.compiler.disable``d), so a compiled call uses the plan; ``fullgraph=True`` cannot
+  leave the graph and refuses a plan (``encoder._planned_inputs``): the graph plans in the step.
 """
 
 import dataclasses
