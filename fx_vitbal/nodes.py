@@ -10,7 +10,7 @@ Why: inside a node a moved row rides NVLink-class links; across nodes it takes t
 best-fitting rank anywhere, so with ``N`` nodes nearly every moved row crosses nodes. What must
 cross is far less: only each node's work above what its own ranks can take, and node loads (sums
 of ``ranks_per_node`` ranks) are much more even than single ranks' (at 8 ranks per node on the
-realistic mix, ~9% of the work where ranks shed 20-35%).
+realistic mix, 9-10% of the work where ranks shed 20-27% of the rows).
 
 Two levels in one pass, aiming at exactly node-blind min-move's per-rank target ``accept`` (so
 the makespan stays the same):
@@ -24,10 +24,13 @@ the makespan stays the same):
    for large units: placing every node's own units first and the exports after fragments the
    holes (tried: the makespan then missed the target by 5-20% at 8 images per rank);
 4. units that fit nowhere are placed first in a second pass (they take the large holes); what
-   still fits nowhere goes to min-move's global best-fit, then the usual refinement.
+   still fits nowhere goes to min-move's global best-fit, then the usual refinement;
+5. ranks still above ``accept`` (large units left on a rank, small holes elsewhere: the
+   refinement, pairing it with the least loaded rank only, stalls) are repaired by moves or swaps
+   with any rank (``_repair``).
 
-When that still misses ``accept`` (a few large units left on one rank that the refinement cannot
-split), node-blind min-move is offered as well and ``solve_plan`` weighs both.
+When that still misses ``accept``, node-blind min-move is offered as well and ``solve_plan``
+weighs both (there, an inter-node row counts ``INTER_NODE_WEIGHT`` moved rows).
 """
 
 import bisect
