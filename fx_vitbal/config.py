@@ -7,6 +7,7 @@ and ``BalanceConfig.from_args``) so library code never reads global arguments.
 import argparse
 import dataclasses
 import math
+import os
 
 COST_MODELS = ("auto", "quadratic", "polynomial", "architecture", "online")
 STRATEGIES = ("min-move", "lpt")
@@ -73,6 +74,15 @@ class BalanceConfig:
     split_frames: bool = True
     """Move single video frames when the ViT attends per frame (exact for Qwen-family towers)."""
 
+    ranks_per_node: int | None = None
+    """Data-parallel ranks per node, for node-aware planning (``fx_vitbal.nodes``): moves stay
+    inside a node where they can, and plans report the rows crossing nodes. Rank ``r`` of the
+    balancing group is on node ``r // ranks_per_node`` (contiguous ranks, as torchrun numbers
+    them). ``None`` or 1: node-blind. Every rank must use the same value (ranks compare a
+    fingerprint of the config and raise when they differ). ``from_args`` defaults it to
+    ``LOCAL_WORLD_SIZE`` when that is set; with model parallelism inside a node pass the number
+    of data-parallel ranks per node instead."""
+
     def __post_init__(self) -> None:
         _check(self.trigger_threshold >= 0, "trigger_threshold", self.trigger_threshold, ">= 0")
         if self.max_len_ratio is not None:
@@ -94,6 +104,13 @@ class BalanceConfig:
         _check(self.skip_rule in SKIP_RULES, "skip_rule", self.skip_rule, f"in {SKIP_RULES}")
         _check(self.when in WHEN, "when", self.when, f"in {WHEN}")
         _check(0 <= self.min_gain < 1, "min_gain", self.min_gain, "in [0, 1)")
+        rpn = self.ranks_per_node
+        _check(
+            rpn is None or (isinstance(rpn, int) and not isinstance(rpn, bool) and rpn >= 1),
+            "ranks_per_node",
+            rpn,
+            "None or an int >= 1",
+        )
         coeffs = self.cost_coeffs
         if coeffs is not None:  # a list from argparse or JSON: keep the config hashable
             object.__setattr__(self, "cost_coeffs", tuple(coeffs))
@@ -117,8 +134,23 @@ class BalanceConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BalanceConfig":
-        """Build a config from the flags added by ``add_vit_balance_args``."""
+        """Build a config from the flags added by ``add_vit_balance_args``.
+
+        ``ranks_per_node`` comes from ``--dp-balance-ranks-per-node-vit``, else from the
+        ``LOCAL_WORLD_SIZE`` torchrun sets (this is the edge where the environment is read; the
+        library itself never reads it).
+
+        Raises:
+            ValueError: an invalid flag value or combination, or a non-integer
+                ``LOCAL_WORLD_SIZE``.
+        """
         coeffs = args.dp_balance_cost_coeffs_vit
+        ranks_per_node = args.dp_balance_ranks_per_node_vit
+        if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE"):
+            local = os.environ["LOCAL_WORLD_SIZE"]
+            if not local.isdigit():
+                raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {local!r}")
+            ranks_per_node = int(local)
         return cls(
             enabled=args.use_vit_dp_balance,
             when=args.dp_balance_when_vit,
@@ -133,6 +165,7 @@ class BalanceConfig:
             skip_rule=args.dp_balance_skip_rule_vit,
             min_gain=args.dp_balance_min_gain_vit,
             split_frames=args.dp_balance_split_frames_vit,
+            ranks_per_node=ranks_per_node,
         )
 
 
@@ -229,6 +262,14 @@ def add_vit_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         action=argparse.BooleanOptionalAction,
         default=d.split_frames,
         help="move single video frames when the ViT attends per frame",
+    )
+    g.add_argument(
+        "--dp-balance-ranks-per-node-vit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="data-parallel ranks per node (contiguous) for node-aware planning: keep moves "
+        "inside nodes; 1 = node-blind (default: LOCAL_WORLD_SIZE when set, else node-blind)",
     )
     return parser
 

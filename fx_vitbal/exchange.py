@@ -155,6 +155,8 @@ def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
     """
     fields = dataclasses.asdict(config)
     fields["cost_coeffs"] = list(config.cost_coeffs) if config.cost_coeffs else None
+    if config.ranks_per_node is None:  # node-blind specs (and their cache keys) stay as they were
+        del fields["ranks_per_node"]
     spec = {"config": fields, "cost": cost_to_spec(cost_model), "routing": ROUTING_HEADER}
     return json.dumps(spec, sort_keys=True)
 

@@ -55,6 +55,9 @@ class Plan:
     cap_respected: bool = True
     """False when no assignment found keeps every rank under the row cap. Only an explicit
     ``max_len_ratio`` can do that: the default cap is one the current layout keeps."""
+    inter_node_tokens: int = 0
+    """Pixel rows computed on another node than their home rank's (nodes of
+    ``BalanceConfig.ranks_per_node`` contiguous ranks); 0 when ``ranks_per_node`` is None."""
 
     def destinations(self, num_units: Sequence[int]) -> list[list[int]]:
         """``dest[r][i]``: the rank computing unit ``i`` of rank ``r``."""
@@ -96,6 +99,11 @@ def solve_plan(
     config = config or BalanceConfig()
     _validate(costs, tokens, history)
     num_ranks = len(costs)
+    ranks_per_node = config.ranks_per_node
+    # Node-aware planning needs two nodes or more; 1 rank per node leaves no move inside a node.
+    node_aware = ranks_per_node is not None and 1 < ranks_per_node < num_ranks
+    if node_aware:
+        from fx_vitbal import nodes  # built on this module's primitives: imported late
     units = _Units(costs, tokens)
     base = [float(h) for h in history] if history is not None else [0.0] * num_ranks
     home = units.src[:]
@@ -104,7 +112,9 @@ def solve_plan(
     home_keeps_cap = _cap_respected(home, units, cap)
 
     def skip(reason: str) -> Plan:
-        return _make_plan(home, home_keeps_cap, units, base, loads_before, False, reason)
+        return _make_plan(
+            home, home_keeps_cap, units, base, loads_before, False, reason, ranks_per_node
+        )
 
     if num_ranks == 1:
         return skip("single-rank")
@@ -144,15 +154,26 @@ def solve_plan(
             free = free if free is not None else _lpt(units, order, base)
             target = max(_loads(free, units, base))
         accept = target * (1.0 + MAKESPAN_SLACK)
-        candidates.append(_min_move(units, order, base, cap, accept))
+        if node_aware:
+            candidates += nodes.node_min_move(units, order, base, cap, accept, ranks_per_node)
+        else:
+            candidates.append(_min_move(units, order, base, cap, accept))
     # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
-    # then fewer rows moved (LPT, the reference, wins ties).
+    # then less traffic: rows moved, inter-node rows weighing more (LPT, the reference, wins ties).
     pool = [c for c in candidates if c.cap_respected] or candidates
     good_enough = min(max(c.loads) for c in pool) * (1.0 + MAKESPAN_SLACK)
-    best = min(pool, key=lambda c: (max(c.loads) > good_enough, _moved(c.dest, units)))
+
+    def traffic(c: _Candidate) -> float:
+        if node_aware:
+            return nodes.traffic(c.dest, units, ranks_per_node)
+        return _moved(c.dest, units)
+
+    best = min(pool, key=lambda c: (max(c.loads) > good_enough, traffic(c)))
     if not best.cap_respected and home_keeps_cap:
         return skip("cap")
-    plan = _make_plan(best.dest, best.cap_respected, units, base, loads_before, True, "applied")
+    plan = _make_plan(
+        best.dest, best.cap_respected, units, base, loads_before, True, "applied", ranks_per_node
+    )
     if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
         return skip("no-gain")
     return plan
@@ -457,6 +478,27 @@ def _min_move(
 
     Returns an assignment and its loads: the first attempt reaching ``accept``, else the better
     of the two attempts."""
+    shed, dest, loads, rank_tokens, rank_units = _shed(units, order, base, cap, accept)
+    _best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
+    first = _refine(dest, units, base, cap, accept, units.num_ranks)
+    if max(first.loads) <= accept:
+        return first
+    # Neither may reach the target (the row cap binds): the lower makespan, for solve_plan to weigh.
+    return min(first, _fill_homes_first(units, order, base, cap, accept), key=_makespan)
+
+
+def _makespan(candidate: _Candidate) -> float:
+    return max(candidate.loads)
+
+
+def _shed(
+    units: _Units, order: list[int], base: list[float], cap: float, accept: float
+) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
+    """Every rank above ``accept`` (or above the row cap) sheds units until it is not.
+
+    Returns ``(shed, dest, loads, rank_tokens, rank_units)``: the shed units in ``order``'s total
+    order, and the home assignment without them (their ``dest`` still says home) with its loads,
+    rows and unit counts, ready for placement."""
     held: list[list[int]] = [[] for _ in range(units.num_ranks)]
     for u in reversed(order):
         held[units.src[u]].append(u)  # each rank's units, cost-ascending
@@ -474,19 +516,20 @@ def _min_move(
                 rank_tokens[r] -= units.tokens[u]
                 rank_units[r] -= 1
     shed.sort(key=lambda u: (-units.cost[u], u))  # the same total order as ``order``
-    _best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
-    first = _refine(dest, units, base, cap, accept, units.num_ranks)
-    if max(first.loads) <= accept:
-        return first
+    return shed, dest, loads, rank_tokens, rank_units
+
+
+def _fill_homes_first(
+    units: _Units, order: list[int], base: list[float], cap: float, accept: float
+) -> _Candidate:
+    """min-move's second attempt, when shedding and best-fit leave the makespan above ``accept``."""
     # Fragmented room (a near-perfect LPT leaves ~1% slack): LPT order again, but each unit
     # stays home while its home has room below the target, so large units stay and only the
     # smallest overflow moves.
     dest = [-1] * len(units.cost)
     zeros = [0] * units.num_ranks
     _place(order, dest, base[:], zeros[:], zeros[:], units, cap, home_fill=accept)
-    second = _refine(dest, units, base, cap, accept, units.num_ranks)
-    # Neither reached the target (the row cap binds): the lower makespan, for solve_plan to weigh.
-    return min(first, second, key=lambda plan: max(plan.loads))
+    return _refine(dest, units, base, cap, accept, units.num_ranks)
 
 
 def _best_fit(
@@ -575,6 +618,18 @@ def _moved(dest: list[int], units: _Units) -> int:
     return sum(n for d, src, n in zip(dest, units.src, units.tokens, strict=True) if d != src)
 
 
+def _inter_node_rows(dest: list[int], units: _Units, ranks_per_node: int | None) -> int:
+    """Rows computed on another node than their home rank's (rank ``r`` on node
+    ``r // ranks_per_node``); 0 when nodes are unknown (``None``)."""
+    if ranks_per_node is None:
+        return 0
+    return sum(
+        n
+        for d, src, n in zip(dest, units.src, units.tokens, strict=True)
+        if d // ranks_per_node != src // ranks_per_node
+    )
+
+
 def _cap_respected(dest: list[int], units: _Units, cap: float) -> bool:
     if cap == math.inf:
         return True
@@ -593,6 +648,7 @@ def _make_plan(
     loads_before: list[float],
     applied: bool,
     reason: str,
+    ranks_per_node: int | None = None,
 ) -> Plan:
     assignment: list[list[tuple[int, int]]] = [[] for _ in range(units.num_ranks)]
     # Units are enumerated in (src, idx) order, so every assignment list comes out sorted.
@@ -610,4 +666,5 @@ def _make_plan(
         imbalance_after=imbalance(loads_after),
         moved_tokens=_moved(dest, units),
         cap_respected=cap_respected,
+        inter_node_tokens=_inter_node_rows(dest, units, ranks_per_node),
     )

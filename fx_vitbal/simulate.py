@@ -9,8 +9,11 @@ after), the pixel rows moved and the planning time; ``--plot`` draws per-rank lo
 
 Speed-ups are always also judged by the architecture-aware model, the closest to measured time, so
 ``--cost-model quadratic`` shows what planning with the seed's ``l**2`` model really buys.
+``--ranks-per-node 8`` plans node-aware and reports the rows and bytes crossing nodes, next to
+what node-blind planning of the same step would send.
 
     python -m fx_vitbal.simulate --ranks 512 --images-per-rank 8 --plot load.png
+    python -m fx_vitbal.simulate --ranks 2048 --images-per-rank 8 --ranks-per-node 8
 """
 
 import argparse
@@ -34,6 +37,9 @@ from fx_vitbal.workloads import MIXES, sample_batches
 # Qwen2-VL-7B vision_config: embed_dim 1280, mlp_ratio 4, depth 32, 3*2*14*14 inputs per patch,
 # merged into the LM's hidden size 3584; every layer attends over whole frames.
 QWEN2_VL_7B = ArchitectureCost(hidden=1280, mlp_hidden=5120, depth=32, in_dim=1176, out_dim=3584)
+# Bytes a moved pixel row costs at Qwen2-VL-7B's widths in bf16: its 1176 input values go out, and
+# its share of the merged output (3584 values per 2x2 = 4 rows) comes back.
+BYTES_PER_ROW = 2 * (QWEN2_VL_7B.in_dim + QWEN2_VL_7B.out_dim // 4)
 _COST_NAMES = {
     ArchitectureCost: "architecture",
     QuadraticCost: "quadratic",
@@ -59,6 +65,18 @@ class Simulation:
     largest_unit: float
     cost_seconds: float
     solve_seconds: float
+    unit_rows: list[list[int]] = dataclasses.field(default_factory=list, repr=False)
+    """``unit_rows[r][i]``: pixel rows of unit ``i`` of rank ``r`` (for ``inter_node_rows``)."""
+
+    def inter_node_rows(self, ranks_per_node: int) -> int:
+        """Rows the plan computes on another node than their home rank's, with
+        ``ranks_per_node`` contiguous ranks per node (whatever the plan was solved with)."""
+        return sum(
+            self.unit_rows[src][idx]
+            for dest, assigned in enumerate(self.plan.assignment)
+            for src, idx in assigned
+            if src // ranks_per_node != dest // ranks_per_node
+        )
 
     @property
     def speedup(self) -> float:
@@ -118,6 +136,7 @@ def simulate(
         largest_unit=max((c for rank_costs in true_costs for c in rank_costs), default=0.0),
         cost_seconds=solve_start - start,
         solve_seconds=solve_end - solve_start,
+        unit_rows=tokens,
     )
 
 
@@ -130,8 +149,10 @@ def _cost(units: Sequence[Sequence[tuple[int, int, int]]], model: CostModel) -> 
     return [[memo[unit] for unit in rank_units] for rank_units in units]
 
 
-def report(sim: Simulation, config: BalanceConfig) -> str:
-    """The printed summary, one ``name: value`` line per quantity."""
+def report(sim: Simulation, config: BalanceConfig, blind: Simulation | None = None) -> str:
+    """The printed summary, one ``name: value`` line per quantity; with ``ranks_per_node`` set,
+    the rows crossing nodes, and node-blind planning's (``blind``: the same step planned with
+    ``ranks_per_node=None``) for comparison."""
     plan, bound = sim.plan, sim.lower_bound
     lines = [
         f"units: {sim.num_units} ({'frames' if config.split_frames else 'images'}) from "
@@ -146,6 +167,15 @@ def report(sim: Simulation, config: BalanceConfig) -> str:
         f"planning time: {1e3 * (sim.cost_seconds + sim.solve_seconds):.1f} ms "
         f"(costs {1e3 * sim.cost_seconds:.1f} ms, solve_plan {1e3 * sim.solve_seconds:.1f} ms)",
     ]
+    rpn = config.ranks_per_node
+    if rpn is not None:
+        lines.append(f"inter-node rows ({rpn} ranks per node): {_inter(sim, rpn)}")
+    if rpn is not None and blind is not None:
+        lines += [
+            f"node-blind inter-node rows: {_inter(blind, rpn)}",
+            f"node-blind makespan / lower bound: {_relative(max(blind.loads_after), bound):.3f}",
+            f"node-blind solve_plan: {1e3 * blind.solve_seconds:.1f} ms",
+        ]
     if sim.planner_cost != "architecture":
         lines.insert(
             3,
@@ -153,6 +183,14 @@ def report(sim: Simulation, config: BalanceConfig) -> str:
             f"{plan.imbalance_after:.3f}",
         )
     return "\n".join(lines)
+
+
+def _inter(sim: Simulation, ranks_per_node: int) -> str:
+    rows = sim.inter_node_rows(ranks_per_node)
+    return (
+        f"{rows / max(1, sim.total_rows):.1%} ({rows} of {sim.total_rows}, "
+        f"{rows * BYTES_PER_ROW / 1e9:.2f} GB at Qwen2-VL-7B widths in bf16)"
+    )
 
 
 def _relative(value: float, reference: float) -> float:
@@ -212,6 +250,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=argparse.SUPPRESS,
         help="planner cost model, same as --dp-balance-cost-model-vit (auto = architecture)",
     )
+    parser.add_argument(
+        "--ranks-per-node",
+        dest="dp_balance_ranks_per_node_vit",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="plan node-aware with this many ranks per node and report inter-node rows, same as "
+        "--dp-balance-ranks-per-node-vit",
+    )
     parser.add_argument("--plot", metavar="PATH", help="write per-rank loads to this image")
     parser.add_argument(
         "--plot-order", choices=("sorted", "rank"), default="sorted", help="x axis of --plot"
@@ -223,13 +269,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         sim = simulate(
             args.ranks, args.images_per_rank, mix=args.mix, seed=args.seed, config=config
         )
+        blind = None
+        if config.ranks_per_node is not None:
+            blind_config = dataclasses.replace(config, ranks_per_node=None)
+            blind = simulate(
+                args.ranks, args.images_per_rank, mix=args.mix, seed=args.seed, config=blind_config
+            )
     except ValueError as error:
         parser.error(str(error))
     print(
         f"fx_vitbal simulation: {args.ranks} ranks, {args.images_per_rank} images/rank, "
         f"mix {args.mix!r}, seed {args.seed}, Qwen2-VL-7B ViT"
     )
-    print(report(sim, config))
+    print(report(sim, config, blind))
     if args.plot:
         title = (
             f"{args.ranks} ranks, {args.images_per_rank} images/rank ({args.mix}): imbalance "

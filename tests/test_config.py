@@ -117,6 +117,8 @@ def test_every_flag_reaches_its_field():
             "7",
             "--dp-balance-when-vit",
             "always",
+            "--dp-balance-ranks-per-node-vit",
+            "8",
         ]
     )
     expected = BalanceConfig(
@@ -133,6 +135,7 @@ def test_every_flag_reaches_its_field():
         skip_rule="seed",
         min_gain=0.1,
         split_frames=False,
+        ranks_per_node=8,
     )
     assert cfg == expected
     assert isinstance(cfg.cost_coeffs, tuple)
@@ -175,3 +178,39 @@ def test_online_cost_model_flag():
     assert parse(["--dp-balance-cost-model-vit", "online"]) == BalanceConfig(
         enabled=False, cost_model="online"
     )
+
+
+@pytest.mark.parametrize("value", [0, -8, 8.0, True, "8"])
+def test_ranks_per_node_must_be_none_or_a_positive_int(value):
+    with pytest.raises(ValueError, match=re.escape("BalanceConfig.ranks_per_node")) as info:
+        BalanceConfig(ranks_per_node=value)
+    assert repr(value) in str(info.value)
+
+
+def test_ranks_per_node_defaults_to_local_world_size_and_the_flag_overrides_it(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert parse([]).ranks_per_node is None
+    assert BalanceConfig().ranks_per_node is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert parse([]).ranks_per_node == 8
+    assert parse(["--dp-balance-ranks-per-node-vit", "1"]).ranks_per_node == 1
+    assert BalanceConfig().ranks_per_node is None  # the library never reads the environment
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        parse([])
+
+
+def test_ranks_per_node_is_in_the_planner_spec_and_fingerprint_but_node_blind_specs_are_unchanged():
+    from fx_vitbal.cost import QuadraticCost
+    from fx_vitbal.exchange import parse_planner_spec, planner_spec
+    from fx_vitbal.metadata import settings_fingerprint
+
+    specs = {
+        n: planner_spec(BalanceConfig(ranks_per_node=n), QuadraticCost()) for n in (None, 4, 8)
+    }
+    assert "ranks_per_node" not in specs[None]  # compiled graphs' cache keys stay as they were
+    for n, spec in specs.items():
+        assert parse_planner_spec(spec)[0].ranks_per_node == n
+    # Ranks compare this fingerprint every step: one with another ranks_per_node raises on all.
+    fingerprints = {settings_fingerprint(spec, 2, 16) for spec in specs.values()}
+    assert len(fingerprints) == 3

@@ -69,3 +69,15 @@ def test_plot_writes_a_png(capsys, tmp_path):
 def test_bad_sizes_are_rejected():
     with pytest.raises(SystemExit):
         main(["--ranks", "0"])
+
+
+def test_ranks_per_node_reports_inter_node_rows_next_to_node_blind_planning(capsys):
+    out = _run(capsys, "--ranks", "64", "--images-per-rank", "8", "--ranks-per-node", "8")
+    rows = {
+        key: int(re.search(r"\((\d+) of", out[key]).group(1))
+        for key in ("inter-node rows (8 ranks per node)", "node-blind inter-node rows")
+    }
+    assert 0 < rows["inter-node rows (8 ranks per node)"] < rows["node-blind inter-node rows"]
+    assert "GB at Qwen2-VL-7B widths" in out["node-blind inter-node rows"]
+    after = _arrow(out["makespan / lower bound"])[1]
+    assert after <= float(out["node-blind makespan / lower bound"]) * 1.005 + 1e-3

@@ -1,0 +1,270 @@
+"""Node-aware min-move: move units inside a node where possible, across nodes only what must.
+
+Nodes are ``ranks_per_node`` contiguous ranks: rank ``r`` lives on node ``r // ranks_per_node``,
+as torchrun numbers ranks (``--nproc-per-node`` ranks per node, in order). With model parallelism
+the ranks here are data-parallel ranks: ``ranks_per_node`` is then the number of data-parallel
+ranks per node, which are contiguous in Megatron's default order (tensor parallelism innermost).
+
+Why: inside a node a moved row rides NVLink-class links; across nodes it takes the network, about
+8x slower per GPU (``INTER_NODE_WEIGHT``). Node-blind min-move places each shed unit on the
+best-fitting rank anywhere, so with ``N`` nodes nearly every moved row crosses nodes. What must
+cross is far less: only each node's work above what its own ranks can take, and node loads (sums
+of ``ranks_per_node`` ranks) are much more even than single ranks' (at 8 ranks per node on the
+realistic mix, 9-10% of the work where ranks shed 20-27% of the rows).
+
+Two levels in one pass, aiming at exactly node-blind min-move's per-rank target ``accept`` (so
+the makespan stays the same):
+
+1. every rank above ``accept`` sheds as in min-move (``planner._shed``);
+2. each node gets an import budget: its ranks' room below ``accept`` minus what they shed (the
+   node level: negative means the node must export, positive how much it can take);
+3. best-fit decreasing over all shed units, with tiers: the fullest rank of the unit's own node
+   that stays within ``accept``; else the fullest rank of a node whose budget covers the unit;
+   else the fullest rank anywhere. A single cost-descending pass over all nodes keeps large holes
+   for large units: placing every node's own units first and the exports after fragments the
+   holes (tried: the makespan then missed the target by 5-20% at 8 images per rank);
+4. units that fit nowhere are placed first in a second pass (they take the large holes); what
+   still fits nowhere goes to min-move's global best-fit, then the usual refinement;
+5. ranks still above ``accept`` (large units left on a rank, small holes elsewhere: the
+   refinement, pairing it with the least loaded rank only, stalls) are repaired by moves or swaps
+   with any rank (``_repair``).
+
+When that still misses ``accept``, node-blind min-move is offered as well and ``solve_plan``
+weighs both (there, an inter-node row counts ``INTER_NODE_WEIGHT`` moved rows).
+"""
+
+import bisect
+import math
+
+from fx_vitbal.planner import (
+    _best_fit,
+    _Candidate,
+    _inter_node_rows,
+    _min_move,
+    _moved,
+    _refine,
+    _room,
+    _shed,
+    _Units,
+)
+
+# Moving a row across nodes costs this many times moving it inside a node: NVLink 4 gives an H100
+# ~450 GB/s per direction, a node's network one 400 Gb/s NIC (50 GB/s) per GPU: ~9x; rounded down.
+INTER_NODE_WEIGHT = 8.0
+
+
+def traffic(dest: list[int], units: _Units, ranks_per_node: int) -> float:
+    """What ``solve_plan`` minimizes among plans within the makespan slack: rows moved, an
+    inter-node row weighing ``INTER_NODE_WEIGHT`` intra-node ones."""
+    inter = _inter_node_rows(dest, units, ranks_per_node)
+    return _moved(dest, units) + (INTER_NODE_WEIGHT - 1.0) * inter
+
+
+def node_min_move(
+    units: _Units,
+    order: list[int],
+    base: list[float],
+    cap: float,
+    accept: float,
+    ranks_per_node: int,
+) -> list[_Candidate]:
+    """min-move that keeps moves inside nodes (module docstring); same arguments as
+    ``planner._min_move`` plus ``ranks_per_node``.
+
+    Returns the node-aware candidate, and node-blind min-move's too when the node-aware one ends
+    above ``accept``."""
+    shed, dest, loads, rank_tokens, rank_units = _shed(units, order, base, cap, accept)
+    start = (dest[:], loads[:], rank_tokens[:], rank_units[:])
+    misfits = _best_fit_nodes_first(
+        shed, dest, loads, rank_tokens, rank_units, units, cap, accept, ranks_per_node
+    )
+    if misfits:
+        dest, loads, rank_tokens, rank_units = start
+        first = set(misfits)
+        again = misfits + [u for u in shed if u not in first]
+        misfits = _best_fit_nodes_first(
+            again, dest, loads, rank_tokens, rank_units, units, cap, accept, ranks_per_node
+        )
+    _best_fit(misfits, dest, loads, rank_tokens, rank_units, units, cap, accept)
+    candidate = _refine(dest, units, base, cap, accept, units.num_ranks)
+    if max(candidate.loads) > accept:
+        candidate = _repair(candidate, units, cap, accept, ranks_per_node)
+    if max(candidate.loads) <= accept:
+        return [candidate]
+    return [candidate, _min_move(units, order, base, cap, accept)]
+
+
+def _best_fit_nodes_first(
+    order: list[int],
+    dest: list[int],
+    loads: list[float],
+    rank_tokens: list[int],
+    rank_units: list[int],
+    units: _Units,
+    cap: float,
+    limit: float,
+    ranks_per_node: int,
+) -> list[int]:
+    """Best-fit decreasing in three tiers: the unit's own node, then nodes with import budget
+    left, then any rank (module docstring, steps 2-3). Each tier takes the fullest rank whose
+    load stays at most ``limit`` and whose rows stay under the cap; ties go to the highest rank
+    (``planner._best_fit``'s order). Mutates its arguments.
+
+    Returns the units no rank could take within ``limit``, in ``order``."""
+    num_ranks = len(loads)
+    node_ranks = [
+        range(n, min(num_ranks, n + ranks_per_node)) for n in range(0, num_ranks, ranks_per_node)
+    ]
+    budget = [sum(max(0.0, limit - loads[r]) for r in ranks) for ranks in node_ranks]
+    cost, tokens, src = units.cost, units.tokens, units.src
+    for u in order:
+        budget[src[u] // ranks_per_node] -= cost[u]
+    by_load = sorted((load, r) for r, load in enumerate(loads))
+    by_node = [sorted((loads[r], r) for r in ranks) for ranks in node_ranks]
+    room = [_room(r, rank_tokens, rank_units, cap) for r in range(num_ranks)]
+    misfits = []
+    for u in order:
+        need, home = tokens[u], src[u] // ranks_per_node
+        top = bisect.bisect_right(by_load, (limit - cost[u], math.inf)) - 1
+        node = by_node[home]
+        i = _fullest_fitting(node, limit - cost[u], need, room)
+        if i >= 0:
+            load, r = node.pop(i)
+            del by_load[bisect.bisect_left(by_load, (load, r))]
+        else:
+            i = top  # a node that can import it, else anywhere
+            while i >= 0 and (
+                room[by_load[i][1]] < need or budget[by_load[i][1] // ranks_per_node] < cost[u]
+            ):
+                i -= 1
+            if i < 0:
+                i = top
+                while i >= 0 and room[by_load[i][1]] < need:
+                    i -= 1
+            if i < 0:
+                misfits.append(u)
+                continue
+            load, r = by_load.pop(i)
+            node = by_node[r // ranks_per_node]
+            del node[bisect.bisect_left(node, (load, r))]
+            budget[r // ranks_per_node] -= cost[u]
+            budget[home] += cost[u]
+        dest[u] = r
+        loads[r] = load + cost[u]
+        rank_tokens[r] += need
+        rank_units[r] += 1
+        room[r] = cap - rank_tokens[r]
+        bisect.insort(by_load, (loads[r], r))
+        bisect.insort(node, (loads[r], r))
+    return misfits
+
+
+def _fullest_fitting(by_load: list[tuple[float, int]], most: float, need: int, room) -> int:
+    """Index in ``by_load`` (sorted ``(load, rank)``) of the fullest rank with load at most
+    ``most`` and ``need`` rows of room, else -1."""
+    i = bisect.bisect_right(by_load, (most, math.inf)) - 1
+    while i >= 0 and room[by_load[i][1]] < need:
+        i -= 1
+    return i
+
+
+# The repair examines at most this many partner units per unit of an overloaded rank: the nearest
+# in cost come first, so a partner that fits is almost always among them.
+_REPAIR_SCAN = 64
+
+
+def _repair(
+    candidate: _Candidate, units: _Units, cap: float, accept: float, ranks_per_node: int
+) -> _Candidate:
+    """Bring ranks above ``accept`` down to it: move one of their units to a rank with room for
+    it, or swap it for a cheaper unit of any rank with room for the difference.
+
+    The refinement only pairs the most loaded rank with the least loaded one, which stalls when
+    node-first placement leaves large units on a rank and only small holes elsewhere (0.2-7%
+    above ``accept`` at 8 images per rank). Here every rank is a partner. A step bringing the
+    rank to ``accept`` is preferred, the one adding the fewest inter-node rows, then the smallest
+    shift of cost; else the step lowering it most. Then ties by the lowest unit ids and rank.
+    Ranks go most loaded first (ties by rank), each for at most as many steps as it has units.
+    """
+    cost, tokens, src = units.cost, units.tokens, units.src
+    dest, loads = candidate.dest[:], candidate.loads[:]
+    num_ranks = len(loads)
+    held: list[list[int]] = [[] for _ in range(num_ranks)]
+    rank_tokens = [0] * num_ranks
+    for u, d in enumerate(dest):
+        held[d].append(u)
+        rank_tokens[d] += tokens[u]
+    by_cost = sorted((c, v) for v, c in enumerate(cost))
+
+    def crossing(u: int, r: int) -> int:
+        return tokens[u] if src[u] // ranks_per_node != r // ranks_per_node else 0
+
+    def keeps_cap(r: int, shift: int, count: int) -> bool:
+        return rank_tokens[r] + shift <= cap or count <= 1
+
+    for hi in sorted(range(num_ranks), key=lambda r: (-loads[r], r)):
+        if loads[hi] <= accept:
+            break
+        for _ in range(len(held[hi])):
+            excess = loads[hi] - accept
+            if excess <= 0:
+                break
+            best = _repair_steps(hi, held, loads, accept, by_cost, cost, dest, src, ranks_per_node)
+            steps = []
+            for u, x, v in best:
+                shift = tokens[u] - (tokens[v] if v >= 0 else 0)
+                if not (
+                    keeps_cap(x, shift, len(held[x]) + (v < 0))
+                    and keeps_cap(hi, -shift, len(held[hi]))
+                ):
+                    continue
+                shifted = cost[u] - (cost[v] if v >= 0 else 0.0)
+                added = crossing(u, x) - crossing(u, hi)
+                if v >= 0:
+                    added += crossing(v, hi) - crossing(v, x)
+                if shifted >= excess:
+                    steps.append((0, added, shifted, u, v, x))
+                else:
+                    steps.append((1, -shifted, added, u, v, x))
+            if not steps:
+                break
+            *_, u, v, x = min(steps)
+            for k, frm, to in ((u, hi, x), (v, x, hi)):
+                if k < 0:
+                    continue
+                held[frm].remove(k)
+                held[to].append(k)
+                dest[k] = to
+                loads[frm] -= cost[k]
+                loads[to] += cost[k]
+                rank_tokens[frm] -= tokens[k]
+                rank_tokens[to] += tokens[k]
+    keeps = all(n <= cap or len(h) <= 1 for n, h in zip(rank_tokens, held, strict=True))
+    return _Candidate(dest, loads, keeps)
+
+
+def _repair_steps(
+    hi, held, loads, accept, by_cost, cost, dest, src, ranks_per_node
+) -> list[tuple[int, int, int]]:
+    """``(u, x, v)`` steps for ``_repair``: unit ``u`` of rank ``hi`` onto rank ``x``, taking
+    back unit ``v`` of ``x`` (-1: none), that leave ``x`` at most at ``accept`` and lower ``hi``.
+    For each ``u``, the partners nearest below its cost come first, at most ``_REPAIR_SCAN``."""
+    least = min(range(len(loads)), key=loads.__getitem__)
+    out = []
+    for u in held[hi]:
+        # Plain moves: the least loaded rank of u's home node, and of all (their inter-node rows
+        # are all any move can add or save).
+        first = src[u] // ranks_per_node * ranks_per_node
+        home = min(range(first, min(len(loads), first + ranks_per_node)), key=loads.__getitem__)
+        for x in (home,) if home == least else (home, least):
+            if loads[x] + cost[u] <= accept:
+                out.append((u, x, -1))
+        below = bisect.bisect_left(by_cost, (cost[u], -1)) - 1
+        for k in range(below, max(-1, below - _REPAIR_SCAN), -1):
+            c, v = by_cost[k]
+            if c <= cost[u] - (accept - loads[least]):
+                break
+            x = dest[v]
+            if x != hi and c < cost[u] and loads[x] + cost[u] - c <= accept:
+                out.append((u, x, v))
+    return out
