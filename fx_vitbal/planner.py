@@ -367,6 +367,9 @@ def _refine(
 
     Returns the new assignment with its loads and whether it keeps the row cap (every candidate
     plan comes out of here, so the per-rank sums are made once, in one pass over the units)."""
+    loads = _loads(dest, units, base)
+    if max(loads) <= stop_load or not max_iters:  # the usual case: no per-rank unit lists
+        return _Candidate(dest[:], loads, _cap_respected(dest, units, cap))
     dest = dest[:]
     loads = base[:]
     held: list[list[int]] = [[] for _ in loads]
