@@ -70,8 +70,8 @@ class Routing:
     pixels_need_grad: bool = False
     mismatched: bool = False
     permutations: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    """Row permutations already built for this step, by ``(shrink, device)``: the four moves
-    of a step (two forward, two backward) build and copy each one once."""
+    """Row permutations already built for this step, ``(forward, inverse)`` by ``(shrink,
+    device)``: the four moves of a step (two forward, two backward) build and copy each once."""
 
     def to_tensor(self, max_units: int) -> torch.Tensor:
         header = [
@@ -100,15 +100,23 @@ class Routing:
             routing._vitbal_routing = parsed
         return parsed
 
-    def permutation(self, shrink: int, device: torch.device) -> torch.Tensor | None:
-        """Row indices that put this rank's units in destination order (None: identity)."""
+    def permutation(
+        self, shrink: int, device: torch.device, inverse: bool = False
+    ) -> torch.Tensor | None:
+        """Row indices that put this rank's units in destination order (None: identity), or
+        (``inverse``) that put rows in destination order back in local order: both directions
+        are gathers (``index_select``), which run at copy speed where a scatter
+        (``index_copy_``) of the same rows is several times slower."""
         key = (shrink, device)
         if key not in self.permutations:
             rows_U = [n // shrink for n in self.unit_rows]
             order_U = sorted(range(len(rows_U)), key=lambda i: (self.dest[i], i))
             perm = _row_permutation(rows_U, order_U)
-            self.permutations[key] = None if perm is None else perm.to(device)
-        return self.permutations[key]
+            if perm is None:
+                self.permutations[key] = None, None
+            else:
+                self.permutations[key] = perm.to(device), torch.argsort(perm).to(device)
+        return self.permutations[key][inverse]
 
     @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
@@ -288,7 +296,7 @@ def exchange(
     All tensors travel in one ``all_to_all_single`` when they share a dtype (their trailing dims
     are flattened and concatenated), which is how deepstack layers ride with the embeddings.
     Going out, the rows are put in destination order while they are packed; coming home, each
-    tensor's columns are written straight to their original rows of a fresh output tensor.
+    tensor's columns are gathered straight into their original order in a fresh output tensor.
     """
     send_R = [n // shrink for n in routing.send_rows]
     recv_R = [n // shrink for n in routing.recv_rows]
@@ -297,22 +305,17 @@ def exchange(
     for dtype in dict.fromkeys(x.dtype for x in xs):  # one exchange per dtype, in first-use order
         members = [i for i, x in enumerate(xs) if x.dtype == dtype]
         flats = [xs[i].reshape(xs[i].shape[0], row_numel(xs[i])) for i in members]
-        perm = routing.permutation(shrink, flats[0].device)
+        perm = routing.permutation(shrink, flats[0].device, inverse=reverse)
         flat = flats[0] if len(flats) == 1 else torch.cat(flats, 1)
         if perm is not None and not reverse:
             flat = flat.index_select(0, perm)
         moved = flat.new_empty(sum(out_splits), flat.shape[1])
         dist.all_to_all_single(moved, flat.contiguous(), out_splits, in_splits, group=group)
-        widths = [f.shape[1] for f in flats]
-        if reverse and (perm is not None or len(flats) > 1):
-            parts = [moved.new_empty(moved.shape[0], w) for w in widths]
-            for part, column in zip(parts, moved.split(widths, dim=1), strict=True):
-                if perm is None:
-                    part.copy_(column)
-                else:
-                    part.index_copy_(0, perm, column)
+        columns = moved.split([f.shape[1] for f in flats], dim=1)
+        if reverse and perm is not None:
+            parts = [column.index_select(0, perm) for column in columns]
         elif len(flats) > 1:  # custom-op outputs must not alias each other (even empty ones)
-            parts = [p.clone(memory_format=torch.contiguous_format) for p in moved.split(widths, 1)]
+            parts = [column.clone(memory_format=torch.contiguous_format) for column in columns]
         else:
             parts = [moved]
         for i, part in zip(members, parts, strict=True):

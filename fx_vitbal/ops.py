@@ -167,6 +167,7 @@ def restore(
     block_rows: list[int],
     out_blocks: int,
     group_name: str,
+    check_layouts: bool = True,
 ) -> list[torch.Tensor]:
     """Send computed rows back to each unit's home rank and original position.
 
@@ -174,12 +175,15 @@ def restore(
     ``out_blocks`` is the home rank's merge blocks (its pixel rows / ``merge_area``). Before
     moving anything, every rank checks every rank's row layouts (one small gather), so a ViT
     output of the wrong size raises the same ``ValueError`` everywhere instead of a hang.
+    ``redistribute``'s backward skips that check (``check_layouts=False``): autograd gives the
+    gradients the shapes and dtypes of ``redistribute``'s outputs, so on every rank they are the
+    rows the forward exchange already moved, in the layout it moved them.
     """
-    return _move(xs, routing, merge_area, block_rows, True, group_name)
+    return _move(xs, routing, merge_area, block_rows, True, group_name, check_layouts)
 
 
 @restore.register_fake
-def _(xs, routing, merge_area, block_rows, out_blocks, group_name):
+def _(xs, routing, merge_area, block_rows, out_blocks, group_name, check_layouts=True):
     return [x.new_empty(out_blocks * n, *x.shape[1:]) for x, n in zip(xs, block_rows, strict=True)]
 
 
@@ -203,13 +207,13 @@ def output_block_rows(xs: list[torch.Tensor], pixel_rows: int, merge_area: int) 
     return layouts
 
 
-def _move(xs, routing, merge_area, block_rows, reverse, group_name):
+def _move(xs, routing, merge_area, block_rows, reverse, group_name, check_layouts=False):
     if not xs or len(xs) != len(block_rows):
         raise ValueError(f"vitbal moves need one block_rows entry per tensor, got {block_rows}")
     route = Routing.of(routing)
     group = resolve_group(group_name)
     dummy = route.dummy_rows // merge_area
-    if reverse and route.applied:
+    if check_layouts and route.applied:
         blocks = (sum(route.recv_rows) + route.dummy_rows) // merge_area
         check_output_layouts(xs, block_rows, blocks, group, route.mismatched)
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
@@ -225,7 +229,7 @@ def _move(xs, routing, merge_area, block_rows, reverse, group_name):
 
 
 def _setup_context(ctx, inputs, output):
-    xs, routing, merge_area, block_rows, _, group_name = inputs
+    xs, routing, merge_area, block_rows, _, group_name = inputs[:6]
     ctx.routing, ctx.merge_area, ctx.block_rows, ctx.group_name = (
         routing,
         merge_area,
@@ -245,7 +249,7 @@ def _gradients(ctx, grads):
     ]
 
 
-def _backward_by(reverse_op):
+def _backward_by(reverse_op, *extra):
     """A move's backward: the opposite move of the gradients, to the forward's input blocks."""
 
     def backward(ctx, grads):
@@ -256,11 +260,14 @@ def _backward_by(reverse_op):
             ctx.block_rows,
             ctx.in_blocks,
             ctx.group_name,
+            *extra,
         )
-        return moved, None, None, None, None, None
+        # One gradient per argument the op was called with (the dispatcher drops trailing
+        # arguments equal to their defaults, and ``needs_input_grad`` follows it).
+        return moved, *[None] * (len(ctx.needs_input_grad) - 1)
 
     return backward
 
 
-redistribute.register_autograd(_backward_by(restore), setup_context=_setup_context)
+redistribute.register_autograd(_backward_by(restore, False), setup_context=_setup_context)
 restore.register_autograd(_backward_by(redistribute), setup_context=_setup_context)

@@ -10,7 +10,7 @@ from dist_utils import run_ranks, train_step
 
 import fx_vitbal
 from fx_vitbal.metadata import meta_device
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig
+from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 
 GRIDS = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]]]  # skewed: the plan is applied
 
@@ -42,6 +42,9 @@ def _count_step(rank: int, world: int) -> list[dict]:
             train_step(model, GRIDS[rank], rank, reduce_grads=False)
             per_step.append(dict(counts))
             counts.update(dict.fromkeys(counts, 0))
+        input_ids, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank)
+        model(input_ids, pixels.requires_grad_(True), grid).pow(2).mean().backward()
+        per_step.append(dict(counts))
     finally:
         for (owner, name), original in zip(patched, originals, strict=True):
             setattr(owner, name, original)
@@ -49,8 +52,8 @@ def _count_step(rank: int, world: int) -> list[dict]:
 
 
 def test_one_metadata_gather_and_four_host_reads_per_step():
-    for rank_steps in run_ranks(_count_step, 2):
-        for counts in rank_steps:
+    for *steps, pixel_grad_step in run_ranks(_count_step, 2):
+        for counts in steps:
             # Gathers: the plan's metadata (grids inline) and the restore's output-layout check.
             # Exchanges: pixels out, outputs home, output gradients out in backward.
             # Host reads of small CPU tensors: the local grid, the gathered metadata, the
@@ -61,6 +64,13 @@ def test_one_metadata_gather_and_four_host_reads_per_step():
                 "tolist": 4,
                 "item": 0,
             }
+        # Pixel gradients go home in a fourth exchange, without a second layout check.
+        assert pixel_grad_step == {
+            "all_gather_single": 2,
+            "all_to_all_single": 4,
+            "tolist": 4,
+            "item": 0,
+        }
 
 
 def test_metadata_device_follows_the_backend_the_data_and_the_bound_device(monkeypatch):
