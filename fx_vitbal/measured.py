@@ -37,6 +37,12 @@ Unit = tuple[int, int, int]
 
 HISTORY = 8
 """Steps whose computed units are kept: a report for an older step is dropped."""
+MIN_EXCHANGES = 4
+"""Steps with a timed exchange before the exchange model decides (a robust fit of 2 coefficients
+needs a few more points than 2 to see an outlier)."""
+STALE_AFTER = 10
+"""Steps without any exchange after which the exchange model is dropped and measured anew: at
+most one exchange in this many is spent re-measuring an interconnect too slow to be worth it."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,9 +84,11 @@ class ExchangeFit:
     scheduling skew, which the step pays anyway, moved or not); the last rank to arrive waits
     for nobody, and the collective lasts until the rank moving most bytes is done.
 
-    The model is dropped once ``window`` steps have passed without an exchange, so a stale,
-    pessimistic estimate cannot keep every plan home (and the exchange unmeasured) for ever:
-    the FLOP-era rule then decides until an exchange is measured again.
+    The model is used from ``MIN_EXCHANGES`` observed steps on (one slow step alone would keep
+    every later plan home), and dropped once ``STALE_AFTER`` steps have passed without an
+    exchange, so a stale, pessimistic estimate cannot keep every plan home (and the exchange
+    unmeasured) for ever: the FLOP-era rule decides meanwhile, so plans move and exchanges are
+    measured again.
     """
 
     def __init__(self, window: int) -> None:
@@ -96,7 +104,7 @@ class ExchangeFit:
         reported = [r for r, s in enumerate(seconds_R) if s > 0.0]
         self._steps_since += 1
         if not reported:
-            if self._steps_since > self.window:
+            if self._steps_since > STALE_AFTER:
                 self._observations.clear()
                 self.coeffs = None
             return
@@ -105,7 +113,8 @@ class ExchangeFit:
         self._observations.append(((2.0, float(max(bytes_R[r] for r in reported))), seconds))
         rows = [f for f, _ in self._observations]
         latency, spb = fit_nonnegative(rows, [s for _, s in self._observations])
-        if math.isfinite(latency) and math.isfinite(spb) and (latency or spb):
+        usable = len(self._observations) >= MIN_EXCHANGES and (latency or spb)
+        if usable and math.isfinite(latency) and math.isfinite(spb):
             self.coeffs = (latency, spb)
 
 

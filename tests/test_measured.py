@@ -9,13 +9,20 @@ import time
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import run_ranks, train_step
 from torch import nn
 
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost, OnlineCost, QuadraticCost
 from fx_vitbal.exchange import planner_spec
-from fx_vitbal.measured import ExchangeFit, ExchangeModel, add_stats_callback, reset
+from fx_vitbal.measured import (
+    MIN_EXCHANGES,
+    STALE_AFTER,
+    ExchangeFit,
+    ExchangeModel,
+    add_stats_callback,
+    reset,
+)
 from fx_vitbal.metadata import settings_fingerprint
 from fx_vitbal.planner import solve_plan, worth_moving
 
@@ -113,7 +120,7 @@ def _three_runs(rank: int, world: int) -> dict:
     try:
         torch.manual_seed(0)
         config = fx_vitbal.BalanceConfig(cost_model="online", **uncapped)
-        slow_stats = _train(OverheadViT(), config, 10, rank)
+        slow_stats = _train(OverheadViT(), config, 12, rank)
     finally:
         fx_vitbal.ops.exchange = original
     return {
@@ -167,7 +174,8 @@ def test_an_unregistered_vit_with_the_l2_prior_is_balanced_by_measured_time_with
     # Measured balance from call 10 on: near even with online; FLOPs move the wrong images.
     online_balance = _measured_balance(online, 9)
     architecture_balance = _measured_balance(architecture, 9)
-    assert online_balance < 1.35 and architecture_balance > 1.5, (
+    # (Seen on a shared 2-core machine: online 1.02-1.33, architecture 1.67-1.87.)
+    assert online_balance + 0.2 < architecture_balance and architecture_balance > 1.5, (
         online_balance,
         architecture_balance,
     )
@@ -177,8 +185,8 @@ def test_a_slow_exchange_keeps_plans_home_and_every_rank_decides_the_same(three_
     slow, online = three_runs["slow"], three_runs["online"]
     latency, bandwidth = slow["exchange"][-1]
     assert latency > 0.05, slow["exchange"]  # the 60 ms per all_to_all was measured
-    # Once measured, no plan saves the ~200 ms its exchanges would take.
-    assert slow["reasons"][-5:] == ["exchange"] * 5, slow["reasons"]
+    # Once measured (from 4 calls that moved), no plan saves the ~200 ms its exchanges take.
+    assert slow["reasons"][-4:] == ["exchange"] * 4, slow["reasons"]
     assert online["reasons"][-5:].count("applied") >= 3, online["reasons"]
     assert online["exchange"][-1][0] < latency
 
@@ -246,17 +254,18 @@ def _crossing(plan, tokens):
 
 
 def test_exchange_fit_recovers_latency_and_bandwidth_and_forgets_a_stale_model():
-    fit = ExchangeFit(window=4)
-    for num_bytes in (1_000, 50_000, 200_000, 10_000_000):
+    fit = ExchangeFit(window=20)
+    for i, num_bytes in enumerate((1_000, 50_000, 200_000, 10_000_000, 3_000_000)):
         # The fastest rank's time is the collective's; the slower ones waited for others.
         seconds = 2 * 1e-4 + num_bytes / 1e9
         fit.observe([num_bytes, num_bytes // 2], [seconds, seconds + 0.01])
+        assert (fit.coeffs is None) == (i + 1 < MIN_EXCHANGES)  # one slow call decides nothing
     assert fit.coeffs == pytest.approx((1e-4, 1e-9), rel=1e-6)
-    for _ in range(4):
+    for _ in range(STALE_AFTER):
         fit.observe([0, 0], [0.0, 0.0])  # plans kept home: nothing measured
     assert fit.coeffs is not None
     fit.observe([0, 0], [0.0, 0.0])
-    assert fit.coeffs is None  # older than the window: the FLOP-era rule decides again
+    assert fit.coeffs is None  # stale: the FLOP-era rule decides again, exchanges are re-measured
 
 
 def test_the_settings_fingerprint_covers_the_online_settings_not_the_coefficients():
@@ -274,3 +283,43 @@ def test_the_settings_fingerprint_covers_the_online_settings_not_the_coefficient
     assert len({settings_fingerprint(spec, 2, 2) for spec in specs}) == 3
     cost = json.loads(json.loads(specs[0])["cost"])
     assert set(cost) == {"kind", "prior", "window", "per_frame"}  # no coefficient in it
+
+
+def _compiled_and_fx(rank: int, world: int) -> dict:
+    from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig
+    from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+
+    config = fx_vitbal.BalanceConfig(cost_model="online")
+    grids = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]]][rank]
+
+    def model():
+        torch.manual_seed(0)
+        return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
+
+    results = {}
+    ways = {
+        "compiled": lambda: torch.compile(
+            fx_vitbal.enable_vit_balance(model(), config=config), backend="aot_eager"
+        ),
+        "fx": lambda: apply_vit_balance_pass(symbolic_trace(model()), config=config),
+    }
+    for name, build in ways.items():
+        reset()
+        stats = []
+        handle = add_stats_callback(stats.append)
+        step = build()
+        for _ in range(2):
+            train_step(step, grids, rank, reduce_grads=False)
+        handle.remove()
+        results[name] = [(s.reason, s.measured_seconds) for s in stats]
+    return results
+
+
+def test_compiled_and_fx_graph_calls_plan_online_but_report_no_time():
+    results = run_ranks(_compiled_and_fx, 2)
+    for name in ("compiled", "fx"):
+        calls = results[0][name]
+        assert len(calls) == 2 and all(reason == "applied" for reason, _ in calls), calls
+        # Nothing timed (the same ViT in eager reports its first call at the second: the test
+        # above), so the plan op plans with the online model's prior.
+        assert all(seconds == [None, None] for _, seconds in calls), calls
