@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fx_vitbal import ops
+from fx_vitbal import ops, timing
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
 from fx_vitbal.exchange import Routing, planner_spec
@@ -401,8 +401,7 @@ def _timed(run, clock, module):
     def timed(pixels, grid):
         clock.forward_started()
         outputs, extra = run(pixels, grid)
-        params = list(module.parameters()) if module is not None else []
-        clock.forward_ended(outputs, [*params, pixels])
+        clock.forward_ended(outputs, pixels, timing.watch_parameters(module))
         return outputs, extra
 
     return timed

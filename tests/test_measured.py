@@ -25,6 +25,7 @@ from fx_vitbal.measured import (
 )
 from fx_vitbal.metadata import settings_fingerprint
 from fx_vitbal.planner import solve_plan, worth_moving
+from fx_vitbal.timing import watch_parameters
 
 PER_UNIT_SECONDS = 0.003
 
@@ -323,3 +324,43 @@ def test_compiled_and_fx_graph_calls_plan_online_but_report_no_time():
         # Nothing timed (the same ViT in eager reports its first call at the second: the test
         # above), so the plan op plans with the online model's prior.
         assert all(seconds == [None, None] for _, seconds in calls), calls
+
+
+class _Event:
+    """A stand-in ``torch.cuda.Event``: done once ``_Event.done``; 1 ms between records."""
+
+    done = False
+    clock = 0.0
+
+    def __init__(self, enable_timing: bool) -> None:
+        assert enable_timing
+
+    def record(self) -> None:
+        _Event.clock += 1.0
+        self.at = _Event.clock
+
+    def query(self) -> bool:
+        return _Event.done
+
+    def elapsed_time(self, end) -> float:
+        assert _Event.done, "elapsed_time would wait for the device"
+        return end.at - self.at
+
+
+def test_a_cuda_clock_reports_a_call_only_once_its_events_completed(monkeypatch):
+    from fx_vitbal.measured import Measurements
+    from fx_vitbal.planner import Plan
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    state = Measurements(OnlineCost(prior=QuadraticCost()))
+    plan = Plan([[(0, 0)], [(1, 0)]], False, "balanced", [1.0, 1.0], [1.0, 1.0], 0.0, 0.0, 0)
+    clock = state.begin(plan, [[(1, 2, 2)], [(1, 2, 2)]], 2, torch.device("cuda", 0))
+    vit = nn.Linear(1, 1)
+    clock.forward_started()  # records at 1 ms
+    output = vit(torch.ones(1))
+    clock.forward_ended([output], torch.ones(1), watch_parameters(vit))  # 2 ms
+    output.sum().backward()  # backward from 3 ms to 4 ms
+    assert state.report() == [0] * 5  # events still running: nothing reported, nothing waited
+    _Event.done = True
+    assert state.report() == [1, 2_000_000, 0, 0, 0]  # call 1: 1 ms forward + 1 ms backward
+    assert state.report() == [0] * 5  # reported once
