@@ -237,7 +237,7 @@ def _move(xs, routing, merge_area, block_rows, reverse, group_name):
         blocks_xs = with_dummy(blocks_xs, dummy, add=False)
     if route.applied:
         clock = getattr(routing, "_vitbal_clock", None)
-        timed = clock is not None and clock.timing_exchange()
+        timed = clock is not None and clock.timing_exchange(reverse)
         start = clock.mark() if timed else None
         blocks_xs = exchange(blocks_xs, route, merge_area, reverse, group)
         if timed:  # --- a forward exchange of measured times (fx_vitbal.timing)

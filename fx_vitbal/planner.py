@@ -89,7 +89,7 @@ def solve_plan(
             loads before balancing.
         exchange_seconds: with costs in seconds (the online model), the predicted seconds of a
             plan's exchanges from the pixel rows each rank sends to and receives from other
-            ranks (``measured.ExchangeModel.step_seconds``). Then the plan with the lowest
+            ranks (``exchange_time.ExchangeModel.step_seconds``). Then the plan with the lowest
             predicted makespan + exchange wins, and it is applied only when the makespan it
             saves beats its exchange (``worth_moving``; reason ``exchange`` otherwise), in
             place of ``MAKESPAN_SLACK`` and ``min_gain``. None: those FLOP-era rules.

@@ -48,6 +48,7 @@ class StepClock:
         self._handles: list = []
         self._watch: ParameterWatch | None = None
         self._ends_left = 0
+        self._without_backward = False
 
     def mark(self) -> object:
         if self.cuda:
@@ -77,7 +78,7 @@ class StepClock:
         self.phase = FORWARD_DONE
         grad_outputs = [o for o in outputs if o.requires_grad]
         if not grad_outputs or not torch.is_grad_enabled():
-            self.phase = DONE  # no backward through the ViT: the forward is the whole call
+            self._without_backward = True  # the forward (and the restore after it) is the call
             return
         ends = []
         if watch is not None:
@@ -116,9 +117,11 @@ class StepClock:
         if self._watch is not None and self._watch.clock is self:
             self._watch.clock = None
 
-    def timing_exchange(self) -> bool:
-        """Whether a move now is one of the forward exchanges this clock times."""
-        return self.phase in (PLANNED, FORWARD_DONE)
+    def timing_exchange(self, reverse: bool) -> bool:
+        """Whether a move now is one of the forward exchanges this clock times: pixels out
+        before the ViT, outputs home after it (not the output gradients, which go out while
+        the phase is still ``FORWARD_DONE``)."""
+        return self.phase == (FORWARD_DONE if reverse else PLANNED)
 
     def add_exchange(self, start: object, end: object, num_bytes: int) -> None:
         self.exchanges.append((start, end))
@@ -126,7 +129,7 @@ class StepClock:
 
     def totals_ns(self) -> tuple[int, int] | None:
         """``(ViT forward + backward ns, forward exchanges ns)`` once complete, else None."""
-        if self.phase != DONE:
+        if self.phase != DONE and not (self.phase == FORWARD_DONE and self._without_backward):
             return None
         spans = [("forward", "forward_end")]
         if "backward" in self.marks:

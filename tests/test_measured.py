@@ -15,14 +15,8 @@ from torch import nn
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost, OnlineCost, QuadraticCost
 from fx_vitbal.exchange import planner_spec
-from fx_vitbal.measured import (
-    MIN_EXCHANGES,
-    STALE_AFTER,
-    ExchangeFit,
-    ExchangeModel,
-    add_stats_callback,
-    reset,
-)
+from fx_vitbal.exchange_time import MIN_EXCHANGES, STALE_AFTER, ExchangeFit, ExchangeModel
+from fx_vitbal.measured import add_stats_callback, reset
 from fx_vitbal.metadata import settings_fingerprint
 from fx_vitbal.planner import solve_plan, worth_moving
 from fx_vitbal.timing import watch_parameters
@@ -364,3 +358,26 @@ def test_a_cuda_clock_reports_a_call_only_once_its_events_completed(monkeypatch)
     _Event.done = True
     assert state.report() == [1, 2_000_000, 0, 0, 0]  # call 1: 1 ms forward + 1 ms backward
     assert state.report() == [0] * 5  # reported once
+
+
+def test_the_clock_times_pixels_out_and_outputs_home_but_no_backward_move():
+    from fx_vitbal.timing import StepClock
+
+    clock = StepClock(1, torch.device("cpu"))
+    timed = [clock.timing_exchange(reverse=False)]  # redistribute: pixels out
+    clock.forward_started()
+    output = nn.Linear(1, 1)(torch.ones(1))
+    clock.forward_ended([output], torch.ones(1), None)
+    timed.append(clock.timing_exchange(reverse=True))  # restore: outputs home
+    timed.append(clock.timing_exchange(reverse=False))  # restore's backward: gradients out
+    assert timed == [True, True, False]
+
+
+def test_a_call_without_backward_is_complete_after_its_forward():
+    from fx_vitbal.timing import StepClock
+
+    clock = StepClock(1, torch.device("cpu"))
+    clock.forward_started()
+    clock.forward_ended([torch.ones(1)], torch.ones(1), None)  # a frozen ViT, eval or no_grad
+    assert clock.timing_exchange(reverse=True)  # its outputs still go home, timed
+    assert clock.totals_ns() is not None
