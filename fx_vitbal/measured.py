@@ -27,6 +27,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from fx_vitbal.cost import OnlineCost
+from fx_vitbal.exchange import parse_planner_spec
 from fx_vitbal.exchange_time import ExchangeFit, ExchangeModel
 from fx_vitbal.metadata import DTYPES, REPORT_FIELDS
 from fx_vitbal.online import FittedCost, OnlineFit
@@ -254,12 +255,13 @@ _STATES: dict[tuple[str, str], Measurements] = {}
 _STATES_LOCK = threading.Lock()
 
 
-def measurements_for(group_name: str, planner: str, cost_model) -> Measurements:
-    """The state of the ViT planned with ``planner`` on ``group_name`` (created on first use)."""
+def measurements_for(group_name: str, planner: str) -> Measurements:
+    """The state of the ViT planned with ``planner`` (``exchange.planner_spec``) on
+    ``group_name``, created on first use."""
     key = (group_name, planner)
     with _STATES_LOCK:
         if key not in _STATES:
-            _STATES[key] = Measurements(cost_model)
+            _STATES[key] = Measurements(parse_planner_spec(planner)[1])
         return _STATES[key]
 
 

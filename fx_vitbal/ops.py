@@ -34,7 +34,6 @@ from fx_vitbal.exchange import (
     from_blocks,
     local_only_routing,
     local_routing,
-    parse_planner_spec,
     plan_units,
     routing_size,
     with_dummy,
@@ -97,7 +96,7 @@ def solve_for_rank(
     fingerprint = settings_fingerprint(planner, merge_size, world_size)
     # --- measured times (fx_vitbal.measured): report an earlier call in the header, fit from
     # every rank's reports, plan with the fitted models.
-    state = measurements_for(group.group_name, planner, parse_planner_spec(planner)[1])
+    state = measurements_for(group.group_name, planner)
     report = state.report()
     gathered = gather_grids(pixel_values, grid_thw, merge_size, group, fingerprint, report)
     measured = state.observe(gathered.reports_R)
