@@ -302,7 +302,7 @@ def plot(report, stats, warmup: int, path: str) -> None:
     right.set_ylabel("ViT forward + backward, ms")
     right.set_title("online cost model: predicted vs measured, per rank")
     right.legend()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     print(f"wrote {path}")
 
 

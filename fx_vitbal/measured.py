@@ -62,7 +62,8 @@ class BalanceStats:
     inter_node_bytes: int
     """Bytes crossing node boundaries; 0 until node-aware planning fills it in."""
     predicted_seconds: list[float] | None
-    """Per rank, this call's ViT forward + backward under the fitted model (online only)."""
+    """Per rank, this call's ViT forward + backward under the fitted model (online only, once
+    the fit has ``online.MIN_OBSERVATIONS`` rank-steps and no longer blends in the prior)."""
     predicted_exchange_seconds: float | None
     """This plan's exchanges (forward and backward) under the exchange model, once fitted."""
     measured_steps: list[int]
