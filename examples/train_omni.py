@@ -1,13 +1,18 @@
 """Train the reference OmniEncoderModel on CPU ranks, without and with ViT balancing, and compare.
 
 What it shows, on a deliberately skewed workload (rank 0 holds the high-resolution documents):
-the planner's predicted per-rank ViT load before and after, its decision, the measured ViT time of
-the slowest rank with and without balancing, and that training itself is unchanged (same losses).
+each balanced call's statistics as the runtime reports them (``fx_vitbal.add_stats_callback``:
+decision, predicted imbalance before and after, rows moved, each rank's measured ViT time and
+what the online cost model had predicted for it), the ViT time of every rank with and without
+balancing (medians over the steps after the warm-up), and that training itself is unchanged (same
+losses). With matplotlib (the ``plot`` extra) it writes a PNG: per-rank ViT time unbalanced vs
+balanced, and predicted vs measured per-rank time over the steps.
 
 Both runs start from the same weights, see the same data and take real AdamW steps with gradients
-averaged over ranks; they are interleaved step by step so both see the same machine load.
+averaged over ranks; they are interleaved step by step so both see the same machine load. The
+balanced run uses the online cost model unless ``--dp-balance-cost-model-vit`` says otherwise.
 
-    python examples/train_omni.py                        # 4 ranks, 4 steps, both runs
+    python examples/train_omni.py                        # 4 ranks, 8 steps, both runs, PNG
     python examples/train_omni.py --use-vit-dp-balance   # the balanced run only
     python examples/train_omni.py --steps 1 --ranks 2 --dp-balance-verbose
 """
@@ -29,8 +34,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import fx_vitbal
-from fx_vitbal.encoder import planner_for
-from fx_vitbal.exchange import parse_planner_spec, split_units
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 from fx_vitbal.workloads import sample_grid
 
@@ -53,7 +56,8 @@ ViT time: CPU seconds of each rank's process from the ViT call to its return (pl
 ViT, restore) plus from the first gradient reaching the ViT outputs to the end of backward (the
 reverse move, ViT backward). CPU time, not wall-clock: {ranks} ranks share {cpus} cores and other
 jobs, so a wall clock would time the OS scheduler; idle waiting for other ranks is not counted.
-Loads: the planner's predicted ViT cost per rank relative to the mean. fp32, 1 thread per rank."""
+Runtime: the balanced call's statistics (fx_vitbal.BalanceStats); its own clock is the wall clock
+around the ViT alone, reported one step later. Cost model: {cost_model}. fp32, 1 thread per rank."""
 
 
 def step_grids(step: int, num_ranks: int) -> list[list[list[int]]]:
@@ -72,16 +76,6 @@ def step_grids(step: int, num_ranks: int) -> list[list[list[int]]]:
 def _downscale(grid: list[int]) -> list[int]:
     t, h, w = grid
     return [t, 2 * max(1, round(h / (2 * DOWNSCALE))), 2 * max(1, round(w / (2 * DOWNSCALE)))]
-
-
-def predict_plan(vit: torch.nn.Module, config: fx_vitbal.BalanceConfig, grids) -> fx_vitbal.Plan:
-    """The plan the runtime computes for these grids: same cost model, units and solver."""
-    spec, _ = planner_for(vit, config)
-    config, cost_model = parse_planner_spec(spec)
-    units = [split_units(grid, config.split_frames) for grid in grids]
-    costs = [[cost_model(*u) for u in rank_units] for rank_units in units]
-    tokens = [[t * h * w for t, h, w in rank_units] for rank_units in units]
-    return fx_vitbal.solve_plan(costs, tokens, config=config)
 
 
 class ViTClock:
@@ -150,10 +144,13 @@ def train_step(run: Run, inputs, world: int) -> tuple[float, float]:
     return mean_loss.item(), vit_seconds
 
 
-def rank_main(rank: int, world: int, config: fx_vitbal.BalanceConfig, steps: int, both: bool):
+def rank_main(rank: int, world: int, config: fx_vitbal.BalanceConfig, options: dict) -> None:
+    steps, both, warmup = options["steps"], options["both"], options["warmup"]
     if config.verbose:
         # stdout, so the runtime's line lands inside the step it belongs to.
         logging.basicConfig(level=logging.INFO, format="  runtime: %(message)s", stream=sys.stdout)
+    stats: list[fx_vitbal.BalanceStats] = []
+    fx_vitbal.add_stats_callback(stats.append)  # every balanced call, on every rank
     torch.manual_seed(0)  # same initial weights on every rank and in every run
     base = OmniEncoderModel(VIT, LM)
     runs = {"on": make_run(base, config)}
@@ -168,10 +165,16 @@ def rank_main(rank: int, world: int, config: fx_vitbal.BalanceConfig, steps: int
     if rank == 0:
         runs_text = "without and with ViT balancing" if both else "with ViT balancing"
         header = HEADER.format(
-            vit=VIT, lm=LM, ranks=world, steps=steps, runs=runs_text, cpus=os.cpu_count()
+            vit=VIT,
+            lm=LM,
+            ranks=world,
+            steps=steps,
+            runs=runs_text,
+            cpus=os.cpu_count(),
+            cost_model=config.cost_model,
         )
         print(header, flush=True)
-    report = {name: {"loss": [], "slowest": []} for name in runs}
+    report = {name: {"loss": [], "per_rank": []} for name in runs}
     for step in range(steps):
         grids = step_grids(step, world)
         if rank == 0:
@@ -183,10 +186,11 @@ def rank_main(rank: int, world: int, config: fx_vitbal.BalanceConfig, steps: int
         gathered = [None] * world
         dist.all_gather_object(gathered, seconds)
         if rank == 0:
-            plan = predict_plan(base.visual, config, grids)
-            _print_step(plan, sum(patches), results, gathered, report)
+            _print_step(stats[-1], results, gathered, report)
     if rank == 0:
-        _print_summary(report)
+        _print_summary(report, warmup)
+        if options["plot"]:
+            plot(report, stats, warmup, options["plot"])
 
 
 def _input_kwargs(step: int, rank: int) -> dict:
@@ -199,41 +203,59 @@ def _input_kwargs(step: int, rank: int) -> dict:
     )
 
 
-def _print_step(plan, total_patches, results, gathered, report) -> None:
-    mean_before = sum(plan.loads_before) / len(plan.loads_before)
-    moved = plan.moved_tokens / total_patches
+def _print_step(stats: fx_vitbal.BalanceStats, results, gathered, report) -> None:
+    moved = stats.moved_rows / max(stats.total_rows, 1)
     print(
-        f"  decision: {plan.reason} (imbalance {plan.imbalance_before:.2f} -> "
-        f"{plan.imbalance_after:.2f}, {moved:.0%} of pixel rows moved)"
+        f"  runtime: {stats.reason} (predicted imbalance {stats.imbalance_before:.2f} -> "
+        f"{stats.imbalance_after:.2f}, {moved:.0%} of pixel rows moved)"
     )
-    print(f"  predicted load/mean   before: {_cells(plan.loads_before, mean_before, '.2f')}")
-    print(f"                        after:  {_cells(plan.loads_after, mean_before, '.2f')}")
+    if stats.coefficients is not None:
+        a, b, c, d = stats.coefficients
+        print(f"  online fit: {a:.2e} s/pair {b:.2e} s/token {c:.2e} s/unit {d:.2e} s/call")
+    measured = [s for s in stats.measured_seconds if s is not None]
+    if len(measured) == len(stats.measured_seconds):
+        step = max(stats.measured_steps)
+        print(f"  call {step} measured ViT ms per rank: {_cells(measured, 1e-3, '5.0f')}")
+        predicted = stats.measured_predicted_seconds
+        if None not in predicted:
+            print(f"  call {step} predicted ms per rank:    {_cells(predicted, 1e-3, '5.0f')}")
     for name, (loss, _) in results.items():
         per_rank = [1e3 * rank_seconds[name] for rank_seconds in gathered]
         report[name]["loss"].append(loss)
-        report[name]["slowest"].append(max(per_rank))
+        report[name]["per_rank"].append(per_rank)
         cells = _cells(per_rank, 1, "5.0f")
-        print(f"  balance {name:<3} ViT ms per rank: {cells}  loss {loss:.7f}")
+        print(f"  balance {name:<3} ViT CPU ms per rank: {cells}  loss {loss:.7f}")
     if len(results) == 2:
-        off, on = report["off"]["slowest"][-1], report["on"]["slowest"][-1]
-        predicted = max(plan.loads_before) / max(plan.loads_after)
-        print(
-            f"  slowest rank: {off:.0f} ms -> {on:.0f} ms, speed-up {off / on:.2f}x "
-            f"(predicted {predicted:.2f}x)"
-        )
+        off, on = max(report["off"]["per_rank"][-1]), max(report["on"]["per_rank"][-1])
+        print(f"  slowest rank: {off:.0f} ms -> {on:.0f} ms, speed-up {off / on:.2f}x")
 
 
 def _cells(values, scale, fmt) -> str:
     return " ".join(format(v / scale, fmt) for v in values)
 
 
-def _print_summary(report) -> None:
+def _print_summary(report, warmup: int) -> None:
     print()
+    warmup = warmup if len(report["on"]["per_rank"]) > warmup else 0  # too few steps: keep all
+    timed = slice(warmup, None)
+    kept = len(report["on"]["per_rank"][timed])
+    medians = {
+        name: [statistics.median(col) for col in zip(*runs["per_rank"][timed], strict=True)]
+        for name, runs in report.items()
+    }
+    for name, per_rank in medians.items():
+        efficiency = statistics.fmean(per_rank) / max(per_rank)
+        print(
+            f"balance {name:<3} median ViT CPU ms per rank over {kept} steps after {warmup} "
+            f"warm-up: {_cells(per_rank, 1, '5.0f')} (efficiency mean/max {efficiency:.0%})"
+        )
     if "off" not in report:
-        print(f"median slowest-rank ViT time {statistics.median(report['on']['slowest']):.0f} ms")
         return
     speedups = [
-        off / on for off, on in zip(report["off"]["slowest"], report["on"]["slowest"], strict=True)
+        max(off) / max(on)
+        for off, on in zip(
+            report["off"]["per_rank"][timed], report["on"]["per_rank"][timed], strict=True
+        )
     ]
     diff = max(abs(a - b) for a, b in zip(report["off"]["loss"], report["on"]["loss"], strict=True))
     verdict = "bit-identical" if diff == 0 else "identical up to fp32 rounding"
@@ -241,18 +263,69 @@ def _print_summary(report) -> None:
     print(f"losses: max |balanced - unbalanced| = {diff:.3g} over all steps, fp32 ({verdict})")
 
 
+def plot(report, stats, warmup: int, path: str) -> None:
+    """Left: each rank's median ViT CPU time, unbalanced vs balanced. Right: each rank's ViT time
+    as the runtime measured it and as the online model predicted it when it planned the call."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("(no PNG: matplotlib is not installed; pip install 'fx_vitbal[plot]')")
+        return
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    timed = slice(warmup, None) if len(report["on"]["per_rank"]) > warmup else slice(None)
+    world = len(report["on"]["per_rank"][0])
+    width = 0.8 / len(report)
+    for i, (name, runs) in enumerate(report.items()):
+        medians = [statistics.median(col) for col in zip(*runs["per_rank"][timed], strict=True)]
+        label = "balanced" if name == "on" else "unbalanced"
+        xs = [r + (i - (len(report) - 1) / 2) * width for r in range(world)]
+        left.bar(xs, medians, width, label=label, color="tab:blue" if name == "on" else "0.65")
+    left.set_xticks(range(world), [f"rank {r}" for r in range(world)])
+    left.set_ylabel("ViT forward + backward, CPU ms (median)")
+    left.set_title("per-rank ViT time: the slowest rank sets the step")
+    left.legend()
+    pairs = {}  # call -> (predicted, measured) per rank, from the stats of the calls after it
+    for s in stats:
+        if None in s.measured_predicted_seconds or len(set(s.measured_steps)) != 1:
+            continue
+        pairs[s.measured_steps[0]] = (s.measured_predicted_seconds, s.measured_seconds)
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    for r in range(world):
+        calls = sorted(pairs)
+        color = colors[r % len(colors)]
+        right.plot(calls, [1e3 * pairs[c][1][r] for c in calls], "-o", ms=3, color=color)
+        right.plot(calls, [1e3 * pairs[c][0][r] for c in calls], "--", color=color)
+    right.plot([], [], "k-o", ms=3, label="measured (runtime clock, wall)")
+    right.plot([], [], "k--", label="predicted by the online fit")
+    right.set_xlabel("balanced call (warm-up call = 1)")
+    right.set_ylabel("ViT forward + backward, ms")
+    right.set_title("online cost model: predicted vs measured, per rank")
+    right.legend()
+    fig.savefig(path, dpi=90)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run")
     parser.add_argument("--ranks", type=int, default=4, help="data-parallel CPU ranks (gloo)")
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="first steps left out of the medians and the PNG"
+    )
+    parser.add_argument(
+        "--plot", default="train_omni.png", help="PNG to write ('' for none; needs matplotlib)"
+    )
     fx_vitbal.add_vit_balance_args(parser)
+    parser.set_defaults(dp_balance_cost_model_vit="online")
     args = parser.parse_args()
     if args.steps < 1 or args.ranks < 2:
         parser.error(f"need --steps >= 1 and --ranks >= 2, got {args.steps} and {args.ranks}")
     # --use-vit-dp-balance: train balanced only, as a training script would; else compare both.
     both = not args.use_vit_dp_balance
     config = dataclasses.replace(fx_vitbal.BalanceConfig.from_args(args), enabled=True)
-    launch(rank_main, args.ranks, config, args.steps, both)
+    options = {"steps": args.steps, "both": both, "warmup": args.warmup, "plot": args.plot}
+    launch(rank_main, args.ranks, config, options)
 
 
 def launch(fn, world: int, *args) -> None:

@@ -13,6 +13,7 @@ from fx_vitbal.encoder import (
     enable_vit_balance,
     register_vision_encoder,
 )
+from fx_vitbal.measured import BalanceStats, add_stats_callback
 from fx_vitbal.planner import Plan, solve_plan
 
 __all__ = [
@@ -34,6 +35,9 @@ __all__ = [
     "plan_ahead",
     "use_plan",
     "PlannedBatch",
+    # per-call statistics, as data (imbalance, rows moved, measured and predicted times)
+    "BalanceStats",
+    "add_stats_callback",
     # checking a ViT before balancing it
     "check_vision_encoder",
     "VisionEncoderReport",

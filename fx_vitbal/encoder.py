@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fx_vitbal import ops
+from fx_vitbal import ops, timing
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
 from fx_vitbal.exchange import Routing, planner_spec
@@ -324,7 +324,7 @@ def _balanced_call(
         return [embeds, *deepstack], window_index
 
     outputs, window_index = run_balanced(
-        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, planned
+        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, planned, vit
     )
     if outputs is None:
         return None, None, []
@@ -342,6 +342,7 @@ def run_balanced(
     dist_info,
     grad_without_images=False,
     planned=None,
+    module=None,
 ):
     """plan -> redistribute -> ``run(pixels, grid)`` -> restore, the one balanced ViT call of
     every eager and in-place path (and of compiled wrappers, which trace it).
@@ -364,6 +365,8 @@ def run_balanced(
       so FSDP's backward collectives stay matched. (Under ``torch.compile`` the dummy unit always
       runs with gradients: zeros.)
     ``planned`` (a ``fx_vitbal.ahead.PlannedBatch``) replaces the ``plan`` op's gather and solve.
+    ``module``: the ViT, whose trainable parameters' gradients mark the end of its backward for
+    the measured times (``fx_vitbal.timing``; eager only: compiled calls report no time).
     """
     group_name, world_size = dist_info
     area = merge * merge
@@ -377,6 +380,7 @@ def run_balanced(
         )
     if not torch.compiler.is_compiling():
         route = Routing.of(routing)
+        run = _timed(run, getattr(routing, "_vitbal_clock", None), module)
         if not route.any_units:
             return _without_images(run, pixel_values, route, area, grad_without_images)
         if not route.applied and pixel_values.shape[0]:
@@ -387,6 +391,20 @@ def run_balanced(
     layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
     home_blocks = pixel_values.shape[0] // area
     return ops.restore(outputs, routing, area, layouts, home_blocks, group_name), extra
+
+
+def _timed(run, clock, module):
+    """``run`` with this rank's clock of the call around it (``fx_vitbal.timing``)."""
+    if clock is None:
+        return run
+
+    def timed(pixels, grid):
+        clock.forward_started()
+        outputs, extra = run(pixels, grid)
+        clock.forward_ended(outputs, pixels, timing.watch_parameters(module))
+        return outputs, extra
+
+    return timed
 
 
 # Under torch.compile, dynamo runs it eagerly between graphs; fullgraph=True refuses it.

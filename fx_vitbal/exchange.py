@@ -185,10 +185,19 @@ def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple
 
 
 def plan_units(
-    grids_R: list[list[list[int]]], rank: int, spec: str
+    grids_R: list[list[list[int]]],
+    rank: int,
+    spec: str,
+    cost_model: CostModel | None = None,
+    exchange_seconds=None,
 ) -> tuple[Plan, list[list[tuple[int, int, int]]]]:
-    """Cost every unit of every rank and solve the plan (same result on every rank)."""
-    config, cost_model = parse_planner_spec(spec)
+    """Cost every unit of every rank and solve the plan (same result on every rank).
+
+    ``cost_model`` replaces the spec's (the online model fitted this step, ``fx_vitbal.measured``);
+    ``exchange_seconds`` goes to ``solve_plan``. The memo of unit costs lives for this call only.
+    """
+    config, spec_cost = parse_planner_spec(spec)
+    cost_model = spec_cost if cost_model is None else cost_model
     units_R = [split_units(grid, config.split_frames) for grid in grids_R]
     memo: dict[tuple[int, int, int], float] = {}  # grids repeat a lot; cost models are Python
     for units in units_R:
@@ -197,7 +206,7 @@ def plan_units(
                 memo[u] = cost_model(*u)
     costs = [[memo[u] for u in units] for units in units_R]
     tokens = [[t * h * w for t, h, w in units] for units in units_R]
-    plan = solve_plan(costs, tokens, config=config)
+    plan = solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds)
     step = next(_plan_calls)
     if config.verbose and rank == 0:
         print(describe_plan(plan, step, sum(map(sum, tokens))), flush=True)

@@ -21,6 +21,9 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 INLINE_GRID_ROWS = 32
 # Header fields gathered from every rank, one int64 row per rank.
 _STATUS, _ARG0, _ARG1, _NUM_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT, _GRAD = range(8)
+# --- measured times (fx_vitbal.measured): this rank's report of an earlier call rides after
+# the fields above: [step, ViT ns, exchange ns, exchange bytes, output bytes per pixel row].
+REPORT_FIELDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Gathered:
     pixels_need_grad: bool
     """Some rank's pixels require gradients: every rank must then run the pixels' backward
     exchange, whatever its own pixels say."""
+    reports_R: list[list[int]] = dataclasses.field(default_factory=list)
+    """Every rank's ``REPORT_FIELDS`` measured-time fields (``fx_vitbal.measured``)."""
 
 
 def gather_grids(
@@ -44,6 +49,7 @@ def gather_grids(
     merge_size: int,
     group: dist.ProcessGroup,
     fingerprint: int = 0,
+    report: Sequence[int] = (),
 ) -> Gathered:
     """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
 
@@ -51,7 +57,8 @@ def gather_grids(
     carries the first ``INLINE_GRID_ROWS`` grid rows; only when some rank has more rows does a
     second gather send the grids padded to the largest count. A bad input or a settings mismatch
     anywhere is detected from the header, so every rank raises the same ``ValueError`` after the
-    first gather and none is left waiting in the second.
+    first gather and none is left waiting in the second. ``report`` (at most ``REPORT_FIELDS``
+    int64s, zero-padded) rides in the same header: this rank's measured times of an earlier call.
 
     Raises:
         ValueError: on every rank, naming each bad rank and its problem.
@@ -59,6 +66,7 @@ def gather_grids(
     world = dist.get_world_size(group)
     device = meta_device(group, pixel_values.device)
     header, rows = _local_header(pixel_values, grid_thw, merge_size, fingerprint)
+    header += list(report) + [0] * (REPORT_FIELDS - len(report))
     inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
     local = torch.tensor(header + sum(inline, []), dtype=torch.int64, device=device)
     gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
@@ -69,6 +77,7 @@ def gather_grids(
     with_pixels = [h for h in headers if h[_ROW_NUMEL]] or [[0] * len(header)]
     numel, dtype_code = with_pixels[0][_ROW_NUMEL], with_pixels[0][_DTYPE]
     agreed = (numel, dtype_code, any(h[_GRAD] for h in headers))
+    reports_R = [h[_GRAD + 1 :] for h in headers]
     max_rows = max(h[_NUM_ROWS] for h in headers)
     if max_rows <= INLINE_GRID_ROWS:  # the usual step: one collective, one host read
         flat_R = [v[len(header) :] for v in values]
@@ -76,14 +85,15 @@ def gather_grids(
             [flat[3 * i : 3 * i + 3] for i in range(h[_NUM_ROWS])]
             for flat, h in zip(flat_R, headers, strict=True)
         ]
-        return Gathered(grids_R, *agreed)
+        return Gathered(grids_R, *agreed, reports_R)
     padded = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
     if rows:
         padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
     grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
     dist.all_gather_single(grids_R, padded.flatten(), group)
     grids = grids_R.view(world, max_rows, 3).tolist()
-    return Gathered([grids[r][: headers[r][_NUM_ROWS]] for r in range(world)], *agreed)
+    grids_R = [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
+    return Gathered(grids_R, *agreed, reports_R)
 
 
 @functools.lru_cache(maxsize=64)  # one config per model: parse and hash it once

@@ -38,7 +38,8 @@ from fx_vitbal.exchange import (
     routing_size,
     with_dummy,
 )
-from fx_vitbal.metadata import check_output_layouts, gather_grids, settings_fingerprint
+from fx_vitbal.measured import measurements_for, publish
+from fx_vitbal.metadata import check_output_layouts, gather_grids, row_numel, settings_fingerprint
 from fx_vitbal.planner import Plan
 
 
@@ -93,8 +94,23 @@ def solve_for_rank(
     gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     fingerprint = settings_fingerprint(planner, merge_size, world_size)
-    gathered = gather_grids(pixel_values, grid_thw, merge_size, group, fingerprint)
-    solved, units_R = plan_units(gathered.grids_R, rank, planner)
+    # --- measured times (fx_vitbal.measured): report an earlier call in the header, fit from
+    # every rank's reports, plan with the fitted models.
+    state = measurements_for(group.group_name, planner)
+    report = state.report()
+    gathered = gather_grids(pixel_values, grid_thw, merge_size, group, fingerprint, report)
+    measured = state.observe(gathered.reports_R)
+    exchange_model = state.exchange_model(
+        gathered.row_numel, gathered.dtype_code, gathered.pixels_need_grad
+    )
+    solved, units_R = plan_units(
+        gathered.grids_R,
+        rank,
+        planner,
+        cost_model=state.cost_model(),
+        exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
+    )
+    clock = state.begin(solved, units_R, merge_size, pixel_values.device)
     routing = dataclasses.replace(
         local_routing(solved, units_R, rank, merge_size),
         any_units=any(units_R),
@@ -107,7 +123,10 @@ def solve_for_rank(
         rows = grid_thw.tolist() or rows
     grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device)
     units = max_units(pixel_values.shape[0], merge_size)
-    return grid, routing.to_tensor(units), solved
+    routing = routing.to_tensor(units)
+    routing._vitbal_clock = clock  # the step's moves and ViT call find their clock here
+    publish(state.stats(clock, rank, solved, units_R, measured, exchange_model))
+    return grid, routing, solved
 
 
 def max_units(pixel_rows: int, merge_size: int) -> int:
@@ -220,12 +239,36 @@ def _move(xs, routing, merge_area, block_rows, reverse, group_name, check_layout
     if reverse:
         blocks_xs = with_dummy(blocks_xs, dummy, add=False)
     if route.applied:
+        clock = getattr(routing, "_vitbal_clock", None)
+        timed = clock is not None and clock.timing_exchange(reverse)
+        start = clock.mark() if timed else None
         blocks_xs = exchange(blocks_xs, route, merge_area, reverse, group)
+        if timed:  # --- a forward exchange of measured times (fx_vitbal.timing)
+            moved = _crossing_bytes(xs, block_rows, merge_area, route, group)
+            clock.add_exchange(start, clock.mark(), moved)
+            if reverse:
+                clock.output_bytes_per_row = _bytes_per_pixel_row(xs, block_rows, merge_area)
     else:  # every rank agrees (the plan is global): nothing to send anywhere
         blocks_xs = [x.clone() for x in blocks_xs]
     if not reverse:
         blocks_xs = with_dummy(blocks_xs, dummy, add=True)
     return [from_blocks(b, x, n) for b, x, n in zip(blocks_xs, xs, block_rows, strict=True)]
+
+
+def _bytes_per_pixel_row(xs, block_rows, merge_area) -> int:
+    """Bytes the tensors ``xs`` hold per pixel row (``block_rows`` rows per merge block)."""
+    return sum(
+        row_numel(x) * x.element_size() * n // merge_area
+        for x, n in zip(xs, block_rows, strict=True)
+    )
+
+
+def _crossing_bytes(xs, block_rows, merge_area, route: Routing, group) -> int:
+    """Bytes this rank sends to and receives from other ranks in one move of ``xs``."""
+    rank = dist.get_rank(group)
+    rows = sum(route.send_rows) + sum(route.recv_rows) - route.send_rows[rank]
+    rows -= route.recv_rows[rank]
+    return rows * _bytes_per_pixel_row(xs, block_rows, merge_area)
 
 
 def _setup_context(ctx, inputs, output):

@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from fx_vitbal.config import BalanceConfig
@@ -45,8 +45,8 @@ class Plan:
     applied: bool
     reason: str
     """``applied``, ``balanced`` (below the trigger), ``no-gain``, ``cap`` (every plan found breaks
-    the row cap the current layout keeps), ``dominant-unit`` (seed rule), ``single-rank`` or
-    ``empty``."""
+    the row cap the current layout keeps), ``dominant-unit`` (seed rule), ``single-rank``,
+    ``empty`` or ``exchange`` (measured times: the exchange would cost more than it saves)."""
     loads_before: list[float]
     loads_after: list[float]
     imbalance_before: float
@@ -80,6 +80,7 @@ def solve_plan(
     *,
     config: BalanceConfig | None = None,
     history: Sequence[float] | None = None,
+    exchange_seconds: Callable[[list[int], list[int]], float] | None = None,
 ) -> Plan:
     """Compute the same balanced assignment of units to ranks on every rank.
 
@@ -89,6 +90,12 @@ def solve_plan(
         config: thresholds, strategy and cap; defaults to ``BalanceConfig()``.
         history: per-rank costs already accumulated (cross-micro-batch balancing); added to the
             loads before balancing.
+        exchange_seconds: with costs in seconds (the online model), the predicted seconds of a
+            plan's exchanges from the pixel rows each rank sends to and receives from other
+            ranks (``exchange_time.ExchangeModel.step_seconds``). Then the plan with the lowest
+            predicted makespan + exchange wins, and it is applied only when the makespan it
+            saves beats its exchange (``worth_moving``; reason ``exchange`` otherwise), in
+            place of ``MAKESPAN_SLACK`` and ``min_gain``. None: those FLOP-era rules.
 
     Returns:
         A ``Plan``; when ``applied`` is False the assignment is the identity.
@@ -161,6 +168,17 @@ def solve_plan(
     # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
     # then less traffic: rows moved, inter-node rows weighing more (LPT, the reference, wins ties).
     pool = [c for c in candidates if c.cap_respected] or candidates
+    if exchange_seconds is not None:  # --- measured exchange trade-off (fx_vitbal.measured)
+        seconds = [exchange_seconds(*_crossing_rows(c.dest, units)) for c in pool]
+        best, cost = min(
+            zip(pool, seconds, strict=True),
+            key=lambda pair: (max(pair[0].loads) + pair[1], _moved(pair[0].dest, units)),
+        )
+        if not best.cap_respected and home_keeps_cap:
+            return skip("cap")
+        if not worth_moving(max(loads_before), max(best.loads), cost):
+            return skip("exchange")
+        return _make_plan(best.dest, best.cap_respected, units, base, loads_before, True, "applied")
     good_enough = min(max(c.loads) for c in pool) * (1.0 + MAKESPAN_SLACK)
 
     def traffic(c: _Candidate) -> float:
@@ -177,6 +195,22 @@ def solve_plan(
     if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
         return skip("no-gain")
     return plan
+
+
+def worth_moving(makespan_before: float, makespan_after: float, exchange_seconds: float) -> bool:
+    """The measured-time rule: move only when the compute time a plan saves on the slowest rank
+    beats the time its exchanges are predicted to take (all in seconds; ties stay home)."""
+    return makespan_before - makespan_after > exchange_seconds
+
+
+def _crossing_rows(dest: list[int], units: "_Units") -> tuple[list[int], list[int]]:
+    """Per rank, rows sent to other ranks and rows received from them under ``dest``."""
+    send, recv = [0] * units.num_ranks, [0] * units.num_ranks
+    for u, d in enumerate(dest):
+        if d != units.src[u]:
+            send[units.src[u]] += units.tokens[u]
+            recv[d] += units.tokens[u]
+    return send, recv
 
 
 class _Candidate(NamedTuple):

@@ -1,6 +1,7 @@
 """The demo (``make demo``) runs end to end on 2 ranks, balances, and trains identically."""
 
 import functools
+import importlib.util
 import math
 import os
 import pathlib
@@ -14,9 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_demo_balances_and_reports_identical_losses():
+def test_demo_balances_and_reports_identical_losses(tmp_path):
+    png = tmp_path / "demo.png"
+    command = [sys.executable, str(ROOT / "examples" / "train_omni.py"), "--steps", "2"]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_omni.py"), "--steps", "1", "--ranks", "2"],
+        command + ["--ranks", "2", "--warmup", "1", "--plot", str(png)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -24,11 +27,14 @@ def test_demo_balances_and_reports_identical_losses():
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "decision: applied" in out, out
+    assert "runtime: applied" in out, out
     losses = re.findall(r"balance (?:off|on) .* loss (\S+)", out)
-    assert len(losses) == 2 and losses[0] == losses[1], out
+    assert len(losses) == 4 and losses[0] == losses[1], out
     diff = re.search(r"max \|balanced - unbalanced\| = (\S+)", out)
     assert diff is not None and float(diff.group(1)) <= 1e-6, out
+    assert "call 2 measured ViT ms per rank" in out, out  # the runtime's clock, one step later
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.stat().st_size > 10_000, out
 
 
 @pytest.mark.slow

@@ -228,7 +228,9 @@ def _balanced_forward(tower, original, hidden_states, grid_thw, **kwargs):
         return [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())], out
 
     merge = tower.spatial_merge_size
-    outputs, out = run_balanced(run, hidden_states, grid_thw, merge, planner, dist_info)
+    outputs, out = run_balanced(
+        run, hidden_states, grid_thw, merge, planner, dist_info, module=tower
+    )
     fields = {"pooler_output": outputs[0]}
     if "deepstack_features" in out:
         fields["deepstack_features"] = list(outputs[1:])
