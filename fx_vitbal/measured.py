@@ -59,8 +59,9 @@ class BalanceStats:
     imbalance_after: float
     moved_rows: int
     total_rows: int
-    inter_node_bytes: int
-    """Bytes crossing node boundaries; 0 until node-aware planning fills it in."""
+    inter_node_rows: int
+    """Pixel rows computed on another node than their own (``Plan.inter_node_tokens``; 0
+    without ``BalanceConfig.ranks_per_node``). Bytes: times the pixel and output row sizes."""
     predicted_seconds: list[float] | None
     """Per rank, this call's ViT forward + backward under the fitted model (online only, once
     the fit has ``online.MIN_OBSERVATIONS`` rank-steps and no longer blends in the prior)."""
@@ -226,7 +227,7 @@ class Measurements:
             imbalance_after=plan.imbalance_after,
             moved_rows=plan.moved_tokens,
             total_rows=sum(t * h * w for units in units_R for t, h, w in units),
-            inter_node_bytes=0,  # node-aware planning (Plan.inter_node_tokens) connects it
+            inter_node_rows=plan.inter_node_tokens,
             predicted_seconds=past.predicted_R,
             predicted_exchange_seconds=predicted_exchange,
             measured_steps=measured["steps"],

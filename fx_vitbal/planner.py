@@ -178,7 +178,16 @@ def solve_plan(
             return skip("cap")
         if not worth_moving(max(loads_before), max(best.loads), cost):
             return skip("exchange")
-        return _make_plan(best.dest, best.cap_respected, units, base, loads_before, True, "applied")
+        return _make_plan(
+            best.dest,
+            best.cap_respected,
+            units,
+            base,
+            loads_before,
+            True,
+            "applied",
+            ranks_per_node,
+        )
     good_enough = min(max(c.loads) for c in pool) * (1.0 + MAKESPAN_SLACK)
 
     def traffic(c: _Candidate) -> float:

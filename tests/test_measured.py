@@ -87,6 +87,21 @@ def _summary(stats) -> dict:
     }
 
 
+def _node_rows(rank: int, world: int) -> list[tuple[bool, int, int]]:
+    # One rank per node: every row that moves crosses a node.
+    config = fx_vitbal.BalanceConfig(max_len_ratio=math.inf, ranks_per_node=1)
+    return [
+        (s.applied, s.moved_rows, s.inter_node_rows) for s in _train(OverheadViT(), config, 3, rank)
+    ]
+
+
+def test_stats_report_the_rows_crossing_nodes():
+    results = run_ranks(_node_rows, 2)
+    assert results[0] == results[1]
+    assert any(applied for applied, _, _ in results[0])
+    assert all(moved == crossing for _, moved, crossing in results[0])
+
+
 def _three_runs(rank: int, world: int) -> dict:
     fx_vitbal.register_vision_encoder(
         RegisteredOverheadViT,
