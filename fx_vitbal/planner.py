@@ -31,6 +31,8 @@ from fx_vitbal.config import BalanceConfig
 # min-move may end this much above the refined LPT makespan (the communication it saves is worth
 # far more than 1% of the ViT step).
 MAKESPAN_SLACK = 0.01
+# Slacks min-move plans at when an exchange model prices their traffic (costs in seconds).
+EXCHANGE_SLACKS = (0.01, 0.03, 0.1, 0.3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +162,15 @@ def solve_plan(
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
             free = free if free is not None else _lpt(units, order, base)
             target = max(_loads(free, units, base))
-        accept = target * (1.0 + MAKESPAN_SLACK)
-        if node_aware:
-            candidates += nodes.node_min_move(units, order, base, cap, accept, ranks_per_node)
-        else:
-            candidates.append(_min_move(units, order, base, cap, accept))
+        # With an exchange model the trade-off, not a fixed slack, decides how far min-move may
+        # trail: it offers plans at several slacks and the cheapest makespan + exchange wins.
+        slacks = EXCHANGE_SLACKS if exchange_seconds is not None else (MAKESPAN_SLACK,)
+        for slack in slacks:
+            accept = target * (1.0 + slack)
+            if node_aware:
+                candidates += nodes.node_min_move(units, order, base, cap, accept, ranks_per_node)
+            else:
+                candidates.append(_min_move(units, order, base, cap, accept))
     # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
     # then less traffic: rows moved, inter-node rows weighing more (LPT, the reference, wins ties).
     pool = [c for c in candidates if c.cap_respected] or candidates

@@ -1,6 +1,7 @@
 """Measured times in the loop: per-rank ViT and exchange times ride in the metadata header, every
 rank fits the same models, plans use them, and each call's statistics come out as data."""
 
+import dataclasses
 import json
 import math
 import random
@@ -18,7 +19,7 @@ from fx_vitbal.exchange import planner_spec
 from fx_vitbal.exchange_time import MIN_EXCHANGES, STALE_AFTER, ExchangeFit, ExchangeModel
 from fx_vitbal.measured import add_stats_callback, reset
 from fx_vitbal.metadata import settings_fingerprint
-from fx_vitbal.planner import solve_plan, worth_moving
+from fx_vitbal.planner import MAKESPAN_SLACK, solve_plan, worth_moving
 from fx_vitbal.timing import watch_parameters
 
 PER_UNIT_SECONDS = 0.003
@@ -251,6 +252,27 @@ def test_the_exchange_trade_off_decides_how_far_min_move_may_trail_lpt():
                 assert saving > model.step_seconds(send, recv)
         # Dearer bytes never load the busiest link more, and at 10 ms per byte nothing moves.
         assert crossing == sorted(crossing, reverse=True) and crossing[-1] == 0, crossing
+
+
+def test_dear_bytes_let_min_move_trail_lpt_by_more_than_the_fixed_slack():
+    # Balancing exactly (LPT, or min-move within 1%) moves 1000-row units; at 20 us per byte a
+    # plan 6% behind LPT that moves one 1000-row unit is predicted faster overall.
+    costs = [[1.71, 1.55, 0.58, 1.04], [1.0, 0.82, 0.5]]
+    tokens = [[1000, 10, 1000, 1000], [10, 1000, 500]]
+    config = fx_vitbal.BalanceConfig(max_len_ratio=math.inf, trigger_threshold=0.0)
+    model = ExchangeModel(
+        latency=0.0, seconds_per_byte=2e-5, pixel_bytes_per_row=4, output_bytes_per_row=4
+    )
+    priced = solve_plan(costs, tokens, config=config, exchange_seconds=model.step_seconds)
+    fixed = solve_plan(costs, tokens, config=dataclasses.replace(config, min_gain=0.0))
+    lpt = solve_plan(costs, tokens, config=dataclasses.replace(config, strategy="lpt"))
+
+    def total(plan):
+        return max(plan.loads_after) + model.step_seconds(*_crossing(plan, tokens))
+
+    assert priced.applied
+    assert max(priced.loads_after) > max(lpt.loads_after) * (1 + MAKESPAN_SLACK)
+    assert total(priced) < min(total(fixed), total(lpt))
 
 
 def _crossing(plan, tokens):
