@@ -153,9 +153,11 @@ def solve_plan(
         config.max_iters,
     )
     candidates = [lpt]
-    # Under a cap no assignment keeps, every rank's rows press against it, so keeping units home
-    # cannot work: min-move would shed from nearly every rank and end as a worse greedy.
-    if config.strategy == "min-move" and keepable:
+    # Under a cap no assignment keeps, or that neither the current layout nor the capped greedy
+    # keeps, the rows press against it everywhere, so keeping units home cannot work: min-move
+    # would shed from nearly every rank and end as a worse greedy.
+    hopeless = not keepable or not (home_keeps_cap or lpt.cap_respected)
+    if config.strategy == "min-move" and not hopeless:
         target = max(lpt.loads)
         if target >= max(loads_before):
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
