@@ -13,15 +13,12 @@ Medians over ``--repeats`` runs, modes interleaved run by run, each run after a 
 """
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from e2e import EVEN, SKEWED, VIT, WORLD, _table, inputs, print_machine
+from e2e import EVEN, SKEWED, VIT, WORLD, _table, inputs, launch, print_machine
 
 import fx_vitbal
 import fx_vitbal.encoder
@@ -172,20 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            _rank_entry, args=(tmp, args.repeats), nprocs=WORLD, start_method="spawn"
-        )
-
-
-def _rank_entry(rank: int, tmp: str, repeats: int) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tmp, "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-    try:
-        rank_main(rank, repeats)
-    finally:
-        dist.destroy_process_group()
+    launch(rank_main, args.repeats)
 
 
 if __name__ == "__main__":

@@ -381,13 +381,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    launch(rank_main, args.repeats)
+
+
+def launch(rank_main: Callable[[int, int], None], repeats: int) -> None:
+    """Run ``rank_main(rank, repeats)`` on ``WORLD`` spawned gloo ranks, one thread each."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _rank_entry, args=(tmp, args.repeats), nprocs=WORLD, start_method="spawn"
+            _rank_entry, args=(tmp, rank_main, repeats), nprocs=WORLD, start_method="spawn"
         )
 
 
-def _rank_entry(rank: int, tmp: str, repeats: int) -> None:
+def _rank_entry(rank: int, tmp: str, rank_main: Callable[[int, int], None], repeats: int) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "store"), WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)

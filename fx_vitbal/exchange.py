@@ -199,18 +199,27 @@ def plan_units(
     config, spec_cost = parse_planner_spec(spec)
     cost_model = spec_cost if cost_model is None else cost_model
     units_R = [split_units(grid, config.split_frames) for grid in grids_R]
-    memo: dict[tuple[int, int, int], float] = {}  # grids repeat a lot; cost models are Python
+    costs, tokens = cost_units(units_R, cost_model)
+    plan = solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds)
+    step = next(_plan_calls)
+    if config.verbose and rank == 0:
+        print(describe_plan(plan, step, sum(map(sum, tokens))), flush=True)
+    return plan, units_R
+
+
+def cost_units(
+    units_R: list[list[tuple[int, int, int]]], cost_model: CostModel
+) -> tuple[list[list[float]], list[list[int]]]:
+    """``(costs, tokens)`` of every rank's units for ``solve_plan``; each distinct unit is costed
+    once (grids repeat a lot, and cost models are Python)."""
+    memo: dict[tuple[int, int, int], float] = {}
     for units in units_R:
         for u in units:
             if u not in memo:
                 memo[u] = cost_model(*u)
     costs = [[memo[u] for u in units] for units in units_R]
     tokens = [[t * h * w for t, h, w in units] for units in units_R]
-    plan = solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds)
-    step = next(_plan_calls)
-    if config.verbose and rank == 0:
-        print(describe_plan(plan, step, sum(map(sum, tokens))), flush=True)
-    return plan, units_R
+    return costs, tokens
 
 
 def describe_plan(plan: Plan, step: int, total_rows: int) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import CostModel, OnlineCost, QuadraticCost
-from fx_vitbal.exchange import split_units
+from fx_vitbal.exchange import cost_units, split_units
 from fx_vitbal.online import OnlineFit, Unit
 from fx_vitbal.planner import solve_plan
 from fx_vitbal.simulate import QWEN2_VL_7B
@@ -139,13 +139,7 @@ def run(
 
 def _plan(units_R: list[list[Unit]], cost_model: CostModel) -> list[list[Unit]]:
     """The units each rank computes under a plan made with ``cost_model``."""
-    memo: dict[Unit, float] = {}
-    for units in units_R:
-        for u in units:
-            if u not in memo:
-                memo[u] = cost_model(*u)
-    costs = [[memo[u] for u in units] for units in units_R]
-    tokens = [[t * h * w for t, h, w in units] for units in units_R]
+    costs, tokens = cost_units(units_R, cost_model)
     plan = solve_plan(costs, tokens, config=CONFIG)
     return [[units_R[s][i] for s, i in assigned] or [DUMMY_UNIT] for assigned in plan.assignment]
 
