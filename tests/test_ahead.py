@@ -24,7 +24,7 @@ def _model() -> OmniEncoderModel:
     return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
 
 
-def _plan_in_background(vit, batches, group) -> list:
+def _plan_in_background(vit, batches, group, config=None) -> list:
     """``plan_ahead`` for each batch in a thread, while this thread runs collectives on the
     default group (as a training step would)."""
     planned, errors = [], []
@@ -32,7 +32,7 @@ def _plan_in_background(vit, batches, group) -> list:
     def work():
         try:
             for pixels, grid in batches:
-                planned.append(fx_vitbal.plan_ahead(vit, pixels, grid, group=group))
+                planned.append(fx_vitbal.plan_ahead(vit, pixels, grid, group=group, config=config))
         except Exception as error:  # noqa: BLE001  (re-raised in the main thread)
             errors.append(error)
 
@@ -232,3 +232,34 @@ def test_a_plan_runs_eagerly_between_compiled_graphs_and_fullgraph_refuses_it():
         torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
     assert_units_moved(results)
+
+
+def _online_ahead(rank: int, world: int) -> list:
+    from fx_vitbal.measured import add_stats_callback
+
+    plan_group = dist.new_group(backend="gloo")
+    vit = _model().visual
+    config = fx_vitbal.BalanceConfig(cost_model="online", trigger_threshold=0.0, min_gain=0.0)
+    stats = []
+    handle = add_stats_callback(stats.append)
+    try:
+        for step in range(4):
+            _, pixels, grid = make_inputs(SKEWED[rank] or [[1, 2, 2]], in_dim=24, seed=step)
+            (planned,) = _plan_in_background(vit, [(pixels, grid)], plan_group, config)
+            embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(
+                vit, pixels, grid, config=config, plan=planned
+            )
+            embeds.pow(2).sum().backward()
+    finally:
+        handle.remove()
+    return [(s.applied, s.measured_steps, s.measured_seconds) for s in stats]
+
+
+def test_online_costs_are_timed_and_reported_through_plans_made_ahead():
+    results = run_ranks(_online_ahead, 3)
+    assert results[0] == results[1] == results[2]  # every rank saw every rank's times
+    applied, steps, seconds = zip(*results[0], strict=True)
+    assert any(applied)
+    # Each plan made ahead reports the previous planned call's ViT times, from every rank.
+    assert all(s is not None and s > 0 for s in seconds[-1])
+    assert len(set(steps[-1])) == 1
