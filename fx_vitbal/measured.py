@@ -149,7 +149,8 @@ class Measurements:
             past = self._history.get(step)
             if not step or past is None or vit_ns <= 0:
                 continue
-            units_R[r] = past.units_R[r]
+            if self.fit is not None:
+                units_R[r] = past.units_R[r]
             seconds_R[r] = vit_ns / 1e9
             measured["steps"][r] = step
             measured["seconds"][r] = seconds_R[r]
@@ -189,9 +190,10 @@ class Measurements:
         self, plan: Plan, units_R: list[list[Unit]], merge_size: int, device: torch.device
     ) -> StepClock:
         """Keep the units each rank computes under ``plan`` and start this rank's clock."""
+        # The units behind each rank's reported time: only an online fit reads them.
         computed = [
             [units_R[src][idx] for src, idx in assigned] or [(1, merge_size, merge_size)]
-            for assigned in plan.assignment
+            for assigned in (plan.assignment if self.fit is not None else ())
         ]
         model = self.cost_model()
         predicted = None
@@ -267,9 +269,14 @@ def measurements_for(group_name: str, planner: str) -> Measurements:
         return _STATES[key]
 
 
-def publish(stats: BalanceStats) -> None:
-    for fn in list(_CALLBACKS.values()):
-        fn(stats)
+def publish(make_stats: Callable[[], BalanceStats]) -> None:
+    """Give the callbacks this call's statistics, built only if some callback listens (they
+    walk every rank's units: no work for that on the hot path otherwise)."""
+    callbacks = list(_CALLBACKS.values())
+    if callbacks:
+        stats = make_stats()
+        for fn in callbacks:
+            fn(stats)
 
 
 def reset() -> None:

@@ -125,7 +125,7 @@ def solve_for_rank(
     units = max_units(pixel_values.shape[0], merge_size)
     routing = routing.to_tensor(units)
     routing._vitbal_clock = clock  # the step's moves and ViT call find their clock here
-    publish(state.stats(clock, rank, solved, units_R, measured, exchange_model))
+    publish(lambda: state.stats(clock, rank, solved, units_R, measured, exchange_model))
     return grid, routing, solved
 
 
