@@ -138,9 +138,7 @@ def _best_fit_nodes_first(
             ):
                 i -= 1
             if i < 0:
-                i = top
-                while i >= 0 and room[by_load[i][1]] < need:
-                    i -= 1
+                i = _fullest_fitting(by_load, limit - cost[u], need, room)
             if i < 0:
                 misfits.append(u)
                 continue
