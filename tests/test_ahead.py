@@ -146,17 +146,24 @@ def _mismatch(rank: int, world: int) -> dict:
     model = fx_vitbal.enable_vit_balance(_model())
     batches = [make_inputs(SKEWED[rank], in_dim=24, seed=rank) for _ in range(2)]
     even = make_inputs(EVEN[rank], in_dim=24, seed=rank)
-    planned = _plan_in_background(model.visual, [b[1:] for b in batches] + [even[1:]], plan_group)
+    grids = [b[1:] for b in batches] + [even[1:], batches[0][1:]]
+    planned = _plan_in_background(model.visual, grids, plan_group)
     results = {}
-    # Step 1: rank 1 gets another batch than planned; the plan moves rows, so every rank raises.
-    got = make_inputs(OTHER, in_dim=24, seed=7) if rank == 1 else batches[0]
-    fx_vitbal.use_plan(model, planned[0])
-    try:
-        model(*got).pow(2).mean().backward()
-        results["error"] = None
-    except ValueError as error:
-        results["error"] = str(error)
-    model.zero_grad(set_to_none=True)
+
+    def step_on_another_batch(plan) -> str | None:
+        # Rank 1 gets another batch than planned; the plan moves rows, so every rank raises.
+        got = make_inputs(OTHER, in_dim=24, seed=7) if rank == 1 else batches[0]
+        fx_vitbal.use_plan(model, plan)
+        try:
+            model(*got).pow(2).mean().backward()
+            return None
+        except ValueError as error:
+            return str(error)
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    # Step 1: the first balanced step of the group.
+    results["error"] = step_on_another_batch(planned[0])
     # Step 2: the planned batch again: balanced, exact.
     fx_vitbal.use_plan(model, planned[1])
     with record_moves() as moves:
@@ -169,12 +176,14 @@ def _mismatch(rank: int, world: int) -> dict:
     got = make_inputs(OTHER, in_dim=24, seed=7) if rank == 1 else even
     fx_vitbal.use_plan(model, planned[2])
     results["skipped"] = (model(*got).detach(), _model()(*got).detach(), planned[2].plan.applied)
+    # Step 4: the same after good steps.
+    results["error_later"] = step_on_another_batch(planned[3])
     return results
 
 
 def test_a_batch_that_differs_from_its_plan_on_one_rank_raises_the_same_error_on_every_rank():
     results = run_ranks(_mismatch, 3)
-    errors = {res["error"] for res in results}
+    errors = {res["error"] for res in results} | {res["error_later"] for res in results}
     assert len(errors) == 1, errors
     (error,) = errors
     assert error is not None and "not the batch planned ahead" in error and "rank(s) [1]" in error
