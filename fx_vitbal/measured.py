@@ -115,6 +115,12 @@ class Measurements:
         self._next_step = 1
         self._lock = threading.Lock()
 
+    def calls(self) -> int:
+        """Balanced calls this state has begun, counted only with an online fit (what the
+        fitted coefficients depend on besides the gathered reports); 0 without one."""
+        with self._lock:
+            return self._next_step - 1 if self.fit is not None else 0
+
     def report(self) -> list[int]:
         """This rank's newest completed, unreported call, as header fields (zeros: none)."""
         with self._lock:
@@ -280,6 +286,8 @@ def publish(make_stats: Callable[[], BalanceStats]) -> None:
 
 
 def reset() -> None:
-    """Forget every ViT's measurements (tests; a new run in the same process)."""
+    """Forget every ViT's measurements (tests; a new run in the same process). Call it on every
+    rank: a rank whose online fit starts over alone makes the next balanced call raise the same
+    ``ValueError`` on every rank (its calls no longer match theirs)."""
     with _STATES_LOCK:
         _STATES.clear()

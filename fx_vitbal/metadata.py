@@ -97,13 +97,15 @@ def gather_grids(
 
 
 @functools.lru_cache(maxsize=64)  # one config per model: parse and hash it once
-def settings_fingerprint(planner: str, merge_size: int, world_size: int) -> int:
+def settings_fingerprint(planner: str, merge_size: int, world_size: int, calls: int = 0) -> int:
     """A 56-bit digest of everything that shapes the plan besides the data (config, cost model,
     unit rule: all in ``planner``), the same in every process: ranks compare it. ``verbose``
-    shapes nothing (``verbose=(rank == 0)`` is a common set-up), so it is left out."""
+    shapes nothing (``verbose=(rank == 0)`` is a common set-up), so it is left out. ``calls``:
+    with ``cost_model="online"``, the calls the fit has seen (``Measurements.calls``), since
+    the fitted coefficients shape the plan too and only ranks that saw the same calls agree."""
     spec = json.loads(planner)
     spec["config"]["verbose"] = False
-    text = f"{json.dumps(spec, sort_keys=True)}|{merge_size}|{world_size}".encode()
+    text = f"{json.dumps(spec, sort_keys=True)}|{merge_size}|{world_size}|{calls}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
@@ -259,7 +261,9 @@ def _raise_on_bad_input(headers: list[list[int]]) -> None:
     if not problems and len({h[_FINGERPRINT] for h in headers}) > 1:
         problems = [
             "ranks disagree on the balancing settings (config, cost model, merge size, "
-            "world size or unit rule; every rank must use the same)"
+            "world size or unit rule; every rank must use the same) or, with "
+            "cost_model='online', on the calls measured (a rank that called "
+            "fx_vitbal.measured.reset() or restarted alone: reset every rank)"
         ]
         problems += [f"rank {r}: settings {h[_FINGERPRINT]:014x}" for r, h in enumerate(headers)]
     if not problems:

@@ -93,10 +93,11 @@ def solve_for_rank(
     """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
     gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    fingerprint = settings_fingerprint(planner, merge_size, world_size)
     # --- measured times (fx_vitbal.measured): report an earlier call in the header, fit from
-    # every rank's reports, plan with the fitted models.
+    # every rank's reports, plan with the fitted models. Ranks whose fits saw different calls
+    # would plan differently: the fingerprint covers the count, so they raise together instead.
     state = measurements_for(group.group_name, planner)
+    fingerprint = settings_fingerprint(planner, merge_size, world_size, state.calls())
     report = state.report()
     gathered = gather_grids(pixel_values, grid_thw, merge_size, group, fingerprint, report)
     measured = state.observe(gathered.reports_R)

@@ -418,3 +418,25 @@ def test_a_call_without_backward_is_complete_after_its_forward():
     clock.forward_ended([torch.ones(1)], torch.ones(1), None)  # a frozen ViT, eval or no_grad
     assert clock.timing_exchange(reverse=True)  # its outputs still go home, timed
     assert clock.totals_ns() is not None
+
+
+def _reset_alone(rank: int, world: int) -> dict:
+    config = fx_vitbal.BalanceConfig(cost_model="online", max_len_ratio=math.inf)
+    vit = OverheadViT()
+    out = {}
+    _train(vit, config, 3, rank)
+    if rank == 1:  # its fit starts over; rank 0's has seen 3 calls
+        reset()
+    with pytest.raises(ValueError) as info:
+        _train(vit, config, 1, rank)
+    out["error"] = str(info.value)
+    reset()  # on every rank: the next call is in lockstep again
+    out["after"] = _summary(_train(vit, config, 2, rank))["reasons"]
+    return out
+
+
+def test_an_online_fit_reset_on_one_rank_raises_the_same_error_on_every_rank():
+    results = run_ranks(_reset_alone, 2)
+    assert results[0]["error"] == results[1]["error"]
+    assert "on the calls measured" in results[0]["error"]
+    assert results[0]["after"] == results[1]["after"] and len(results[0]["after"]) == 2
