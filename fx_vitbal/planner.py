@@ -322,18 +322,18 @@ def _moves(dest: list[int], units: _Units) -> list[int]:
 
 def _touched(dest: list[int], units: _Units, moves: list[int]) -> dict[int, list[int]]:
     """The units (ascending ids: ``(src, idx)`` order) that ``dest`` puts on each rank that
-    ``moves`` sends a unit to or from; every other rank computes its own units."""
+    ``moves`` sends a unit to or from; every other rank computes its own units.
+
+    Units leaving or reaching those ranks stay among them, so a stable sort of their home units
+    by ``dest`` groups them, in C, whether few ranks or all take part."""
     src, starts = units.src, units.starts
-    incoming: dict[int, list[int]] = {}
-    for u in moves:
-        incoming.setdefault(src[u], [])
-        incoming.setdefault(dest[u], []).append(u)
-    touched = {}
-    for r, came in incoming.items():
-        a, b = starts[r], starts[r + 1]
-        kept = compress(range(a, b), map(operator.eq, dest[a:b], repeat(r)))
-        touched[r] = sorted([*kept, *came])  # two ascending runs: a merge
-    return touched
+    ranks = sorted({*map(src.__getitem__, moves), *map(dest.__getitem__, moves)})
+    ends = map(starts.__getitem__, map((1).__add__, ranks))
+    ids = list(chain.from_iterable(map(range, map(starts.__getitem__, ranks), ends)))
+    ids.sort(key=dest.__getitem__)
+    firsts = list(map(bisect.bisect_left, repeat(list(map(dest.__getitem__, ids))), ranks))
+    groups = map(ids.__getitem__, map(slice, firsts, [*firsts[1:], len(ids)]))
+    return dict(zip(ranks, groups, strict=True))
 
 
 def _loads(
@@ -344,22 +344,19 @@ def _loads(
     if touched is None:
         touched = _touched(dest, units, _moves(dest, units))
     loads = list(map(operator.add, base, units.home_cost))
-    cost = units.cost
-    for r, ids in touched.items():
-        loads[r] = base[r] + sum(map(cost.__getitem__, ids))
+    sums = map(sum, map(map, repeat(units.cost.__getitem__), touched.values()))
+    for r, total in zip(touched, sums, strict=True):
+        loads[r] = base[r] + total
     return loads
 
 
-def _rows_and_counts(
-    dest: list[int], units: _Units, moves: list[int]
-) -> tuple[list[int], list[int]]:
+def _rows_and_counts(units: _Units, touched: dict[int, list[int]]) -> tuple[list[int], list[int]]:
+    """Per-rank rows and unit counts, the home ones but on the ranks moves touch."""
     rows, counts = units.home_rows[:], units.counts[:]
-    src, tokens = units.src, units.tokens
-    for u in moves:
-        rows[src[u]] -= tokens[u]
-        rows[dest[u]] += tokens[u]
-        counts[src[u]] -= 1
-        counts[dest[u]] += 1
+    sums = map(sum, map(map, repeat(units.tokens.__getitem__), touched.values()))
+    for r, total, n in zip(touched, sums, map(len, touched.values()), strict=True):
+        rows[r] = total
+        counts[r] = n
     return rows, counts
 
 
@@ -496,15 +493,13 @@ def _refine(
 
     Returns the new assignment with its loads and whether it keeps the row cap (every candidate
     plan comes out of here, so the per-rank sums are made once, from the moved units)."""
-    moves = _moves(dest, units)
-    touched = _touched(dest, units, moves)
-    loads = _loads(dest, units, base, touched)
-    rank_tokens, rank_units = _rows_and_counts(dest, units, moves)
-    if max(loads) <= stop_load or not max_iters:  # the usual case: no per-rank unit lists
-        return _Candidate(dest[:], loads, _keeps_cap(rank_tokens, rank_units, cap), touched)
-    dest = dest[:]
+    first = _candidate(dest[:], units, base, cap)
+    if max(first.loads) <= stop_load or not max_iters:  # the usual case: no per-rank unit lists
+        return first
+    dest, loads = first.dest, first.loads
+    rank_tokens, _ = _rows_and_counts(units, first.touched)
     held = list(map(list, map(range, units.starts, units.starts[1:])))
-    for r, ids in touched.items():
+    for r, ids in first.touched.items():
         held[r] = ids
     highest = [(-load, r) for r, load in enumerate(loads)]
     lowest = [(load, r) for r, load in enumerate(loads)]
@@ -769,15 +764,15 @@ def _inter_node_rows(dest: list[int], units: _Units, ranks_per_node: int | None)
 
 
 def _cap_respected(dest: list[int], units: _Units, cap: float) -> bool:
-    return _keeps_cap(*_rows_and_counts(dest, units, _moves(dest, units)), cap)
+    touched = _touched(dest, units, _moves(dest, units))
+    return _keeps_cap(*_rows_and_counts(units, touched), cap)
 
 
 def _candidate(dest: list[int], units: _Units, base: list[float], cap: float) -> _Candidate:
     """``dest`` with its fresh loads (running sums may differ in the last bits) and row check."""
-    moves = _moves(dest, units)
-    touched = _touched(dest, units, moves)
+    touched = _touched(dest, units, _moves(dest, units))
     loads = _loads(dest, units, base, touched)
-    return _Candidate(dest, loads, _keeps_cap(*_rows_and_counts(dest, units, moves), cap), touched)
+    return _Candidate(dest, loads, _keeps_cap(*_rows_and_counts(units, touched), cap), touched)
 
 
 def _keeps_cap(rows: list[int], counts: list[int], cap: float) -> bool:
