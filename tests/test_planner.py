@@ -790,3 +790,51 @@ def test_node_aware_plans_cross_far_fewer_rows_at_the_same_makespan(seed, images
     aware = plan_of(case, ranks_per_node=8)
     assert makespan(aware) <= makespan(blind) * 1.005
     assert aware.inter_node_tokens <= 0.8 * inter_node_rows(case, blind.assignment, 8)
+
+
+# min-move aims at the lower bound of any plan's makespan + MAKESPAN_SLACK first, without LPT.
+
+
+def lower_bound(case: Case) -> float:
+    """No assignment's makespan is below this: the mean load, the largest history, or the
+    largest unit on the least loaded history."""
+    base = case.history if case.history is not None else [0.0] * len(case.costs)
+    largest = max((c for rank in case.costs for c in rank), default=0.0)
+    total = sum(base) + sum(map(sum, case.costs))
+    return max(total / len(case.costs), max(base), min(base) + largest)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(configs=NO_TRIGGER.map(lambda c: dataclasses.replace(c, strategy="min-move"))))
+def test_plans_near_the_lower_bound_move_no_more_rows_than_lpt(case):
+    plan = plan_of(case)
+    lpt = plan_of(case, strategy="lpt")
+    if not (plan.applied and lpt.applied and plan.cap_respected and lpt.cap_respected):
+        return
+    # Within the slack of the bound is within the slack of LPT, which may only win on rows.
+    if makespan(plan) <= lower_bound(case) * (1 + MAKESPAN_SLACK):
+        assert makespan(plan) <= makespan(lpt) * (1 + MAKESPAN_SLACK)
+        assert plan.moved_tokens <= lpt.moved_tokens
+
+
+def test_lpt_runs_when_the_lower_bound_is_out_of_reach():
+    # Four equal units on three ranks: the bound is 8/3, but some rank must hold two (4.0).
+    # Aiming at the bound leaves 4.0, above it; min-move then aims at LPT's makespan instead.
+    costs, tokens = [[2.0] * 4, [], []], [[4] * 4, [], []]
+    case = Case(costs, tokens, BalanceConfig(), None)
+    plan = plan_of(case)
+    assert makespan(plan) == 4.0 > lower_bound(case) * (1 + MAKESPAN_SLACK)
+    assert plan.applied and plan.moved_tokens == 8
+    assert [len(units) for units in plan.assignment] == [2, 1, 1]
+
+
+@pytest.mark.parametrize(("num_ranks", "seed", "reaches_bound"), [(256, 0, True), (32, 1, False)])
+def test_both_paths_give_the_same_plan_every_time(num_ranks, seed, reaches_bound):
+    case = realistic_case(num_ranks, 8, seed)
+    plan = plan_of(case)
+    assert (makespan(plan) <= lower_bound(case) * (1 + MAKESPAN_SLACK)) == reaches_bound
+    for _ in range(3):
+        again = solve_plan(
+            copy.deepcopy(case.costs), copy.deepcopy(case.tokens), config=case.config
+        )
+        assert again == plan
