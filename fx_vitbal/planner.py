@@ -125,7 +125,7 @@ def solve_plan(
     loads_before = _loads(units.src, units, base, {})
     cap = _token_cap(units, config.max_len_ratio)
     home_keeps_cap = _keeps_cap(units.home_rows, units.counts, cap)
-    home = _Candidate(units.src, loads_before, home_keeps_cap, {})
+    home = _Candidate(units.src, loads_before, home_keeps_cap, {}, units.home_rows)
 
     def skip(reason: str) -> Plan:
         return _make_plan(home, units, loads_before, False, reason, ranks_per_node)
@@ -175,7 +175,7 @@ def solve_plan(
     free = _lpt(units, order, base) if keepable and slack else None
     lpt = _refine(
         free
-        if free is not None and _cap_respected(free, units, cap)
+        if free is not None and _candidate(free, units, base, cap).cap_respected
         else _lpt_within(units, order, base, cap),
         units,
         base,
@@ -194,7 +194,7 @@ def solve_plan(
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
             free = free if free is not None else _lpt(units, order, base)
-            target = max(_loads(free, units, base))
+            target = max(_candidate(free, units, base, cap).loads)
         # With an exchange model the trade-off, not a fixed slack, decides how far min-move may
         # trail: it offers plans at several slacks and the cheapest makespan + exchange wins.
         slacks = EXCHANGE_SLACKS if exchange_seconds is not None else (MAKESPAN_SLACK,)
@@ -247,12 +247,14 @@ def _crossing_rows(dest: list[int], units: "_Units") -> tuple[list[int], list[in
 class _Candidate(NamedTuple):
     """An assignment (``dest[u]``: the rank computing unit ``u``) with what the planner weighs:
     its loads, summed afresh (``_loads``), whether it keeps the row cap, and the units on the
-    ranks its moves touch (``_touched``), which the plan's lists are made from."""
+    ranks its moves touch (``_touched``), which the plan's lists are made from, with every rank's
+    rows."""
 
     dest: list[int]
     loads: list[float]
     cap_respected: bool
     touched: dict[int, list[int]]
+    rows: list[int]
 
 
 class _Units:
@@ -497,7 +499,7 @@ def _refine(
     if max(first.loads) <= stop_load or not max_iters:  # the usual case: no per-rank unit lists
         return first
     dest, loads = first.dest, first.loads
-    rank_tokens, _ = _rows_and_counts(units, first.touched)
+    rank_tokens = first.rows[:]
     held = list(map(list, map(range, units.starts, units.starts[1:])))
     for r, ids in first.touched.items():
         held[r] = ids
@@ -763,16 +765,24 @@ def _inter_node_rows(dest: list[int], units: _Units, ranks_per_node: int | None)
     )
 
 
-def _cap_respected(dest: list[int], units: _Units, cap: float) -> bool:
-    touched = _touched(dest, units, _moves(dest, units))
-    return _keeps_cap(*_rows_and_counts(units, touched), cap)
-
-
 def _candidate(dest: list[int], units: _Units, base: list[float], cap: float) -> _Candidate:
     """``dest`` with its fresh loads (running sums may differ in the last bits) and row check."""
-    touched = _touched(dest, units, _moves(dest, units))
-    loads = _loads(dest, units, base, touched)
-    return _Candidate(dest, loads, _keeps_cap(*_rows_and_counts(units, touched), cap), touched)
+    moves = _moves(dest, units)
+    if 4 * len(moves) <= len(dest):
+        touched = _touched(dest, units, moves)
+        loads = _loads(dest, units, base, touched)
+        rows, counts = _rows_and_counts(units, touched)
+    else:  # most units move (LPT): one pass over them all beats grouping them first
+        held: list[list[int]] = [[] for _ in range(units.num_ranks)]
+        costs, rows = [0.0] * units.num_ranks, [0] * units.num_ranks
+        for u, (d, c, n) in enumerate(zip(dest, units.cost, units.tokens, strict=True)):
+            held[d].append(u)
+            costs[d] += c  # in id order from 0.0: the bits ``_loads`` gives
+            rows[d] += n
+        touched = dict(enumerate(held))
+        loads = list(map(operator.add, base, costs))
+        counts = list(map(len, held))
+    return _Candidate(dest, loads, _keeps_cap(rows, counts, cap), touched, rows)
 
 
 def _keeps_cap(rows: list[int], counts: list[int], cap: float) -> bool:
