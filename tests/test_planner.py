@@ -270,9 +270,11 @@ def test_min_move_makespan_is_within_the_slack_of_lpt(case):
     lpt = plan_of(case, strategy="lpt")
     if min_move.cap_respected == lpt.cap_respected:  # keeping a cap LPT breaks comes first
         assert makespan(min_move) <= makespan(lpt) * (1 + MAKESPAN_SLACK) * (1 + 1e-9)
-    # LPT is one of min-move's candidates: while it is as good, min-move moves no more.
+    # Unless min-move got within the slack of the lower bound on its own (then LPT never ran),
+    # LPT is one of its candidates: while it is as good, min-move moves no more.
     if (
-        min_move.applied
+        makespan(min_move) > lower_bound(case) * (1 + MAKESPAN_SLACK)
+        and min_move.applied
         and lpt.applied
         and min_move.cap_respected == lpt.cap_respected
         and makespan(lpt) <= makespan(min_move) * (1 + MAKESPAN_SLACK)
@@ -806,15 +808,26 @@ def lower_bound(case: Case) -> float:
 
 @settings(max_examples=300, deadline=None)
 @given(cases(configs=NO_TRIGGER.map(lambda c: dataclasses.replace(c, strategy="min-move"))))
-def test_plans_near_the_lower_bound_move_no_more_rows_than_lpt(case):
+def test_plans_near_the_lower_bound_are_within_the_slack_of_lpt(case):
     plan = plan_of(case)
     lpt = plan_of(case, strategy="lpt")
     if not (plan.applied and lpt.applied and plan.cap_respected and lpt.cap_respected):
         return
-    # Within the slack of the bound is within the slack of LPT, which may only win on rows.
+    # Within the slack of the bound is within the slack of LPT. LPT may move fewer rows then
+    # (few ranks, where it keeps units home by chance): that plan is not weighed against it.
     if makespan(plan) <= lower_bound(case) * (1 + MAKESPAN_SLACK):
-        assert makespan(plan) <= makespan(lpt) * (1 + MAKESPAN_SLACK)
-        assert plan.moved_tokens <= lpt.moved_tokens
+        assert makespan(plan) <= makespan(lpt) * (1 + MAKESPAN_SLACK) * (1 + 1e-9)
+
+
+def test_a_plan_near_the_lower_bound_is_taken_even_where_lpt_moves_fewer_rows():
+    # Rank 1 holds everything. Min-move sheds the 576.8 and 188.8 units (544 rows) to 765.6 vs
+    # 778.4, within 1% of the bound (772); LPT's 784.8 vs 759.2 moves 464 rows but misses it.
+    costs = [[], [104.0016] * 5 + [188.7744, 258.4336, 576.7936]]
+    tokens = [[], [4] * 5 + [88, 156, 456]]
+    case = Case(costs, tokens, BalanceConfig(trigger_threshold=0.0, min_gain=0.0), None)
+    plan, lpt = plan_of(case), plan_of(case, strategy="lpt")
+    assert makespan(plan) <= lower_bound(case) * (1 + MAKESPAN_SLACK) < makespan(lpt)
+    assert (plan.moved_tokens, lpt.moved_tokens) == (544, 464)
 
 
 def test_lpt_runs_when_the_lower_bound_is_out_of_reach():
