@@ -25,6 +25,7 @@ raises peak memory.
 """
 
 import bisect
+import collections
 import dataclasses
 import heapq
 import math
@@ -247,13 +248,13 @@ def _crossing_rows(dest: list[int], units: "_Units") -> tuple[list[int], list[in
 class _Candidate(NamedTuple):
     """An assignment (``dest[u]``: the rank computing unit ``u``) with what the planner weighs:
     its loads, summed afresh (``_loads``), whether it keeps the row cap, and the units on the
-    ranks its moves touch (``_touched``), which the plan's lists are made from, with every rank's
-    rows."""
+    ranks its moves touch (``_touched``; None: not grouped yet, see ``_groups``), which the plan's
+    lists are made from, with every rank's rows."""
 
     dest: list[int]
     loads: list[float]
     cap_respected: bool
-    touched: dict[int, list[int]]
+    touched: dict[int, list[int]] | None
     rows: list[int]
 
 
@@ -501,7 +502,7 @@ def _refine(
     dest, loads = first.dest, first.loads
     rank_tokens = first.rows[:]
     held = list(map(list, map(range, units.starts, units.starts[1:])))
-    for r, ids in first.touched.items():
+    for r, ids in _groups(first, units).items():
         held[r] = ids
     highest = [(-load, r) for r, load in enumerate(loads)]
     lowest = [(load, r) for r, load in enumerate(loads)]
@@ -772,20 +773,29 @@ def _candidate(dest: list[int], units: _Units, base: list[float], cap: float) ->
         touched = _touched(dest, units, moves)
         loads = _loads(dest, units, base, touched)
         rows, counts = _rows_and_counts(units, touched)
-    else:  # most units move (LPT): one pass over them all beats grouping them first
-        held: list[list[int]] = [[] for _ in range(units.num_ranks)]
+    else:  # most units move (LPT): one pass over them all; grouped only if a plan needs it
+        touched = None
         costs, rows = [0.0] * units.num_ranks, [0] * units.num_ranks
-        for u, (d, c, n) in enumerate(zip(dest, units.cost, units.tokens, strict=True)):
-            held[d].append(u)
+        for d, c, n in zip(dest, units.cost, units.tokens, strict=True):
             costs[d] += c  # in id order from 0.0: the bits ``_loads`` gives
             rows[d] += n
-        touched = dict(enumerate(held))
         loads = list(map(operator.add, base, costs))
-        counts = list(map(len, held))
+        counts = collections.Counter(dest)  # counted in C
     return _Candidate(dest, loads, _keeps_cap(rows, counts, cap), touched, rows)
 
 
-def _keeps_cap(rows: list[int], counts: list[int], cap: float) -> bool:
+def _groups(candidate: _Candidate, units: _Units) -> dict[int, list[int]]:
+    """The units (ascending ids) of each rank the candidate's moves touch: ``touched``, or every
+    rank's, grouped now when ``_candidate`` left that for later."""
+    if candidate.touched is not None:
+        return candidate.touched
+    held: list[list[int]] = [[] for _ in range(units.num_ranks)]
+    for u, d in enumerate(candidate.dest):
+        held[d].append(u)
+    return dict(enumerate(held))
+
+
+def _keeps_cap(rows: list[int], counts: Sequence[int], cap: float) -> bool:
     """No rank above ``cap`` rows, but for ranks holding a single unit."""
     over = compress(range(len(rows)), map(operator.lt, repeat(cap), rows))
     return all(counts[r] <= 1 for r in over)
@@ -803,7 +813,7 @@ def _make_plan(
     # Ranks no move touches compute their own units, in order: slices of the home pairs.
     starts, pairs = units.starts, units.pairs
     assignment = list(map(pairs.__getitem__, map(slice, starts, starts[1:])))
-    for r, ids in candidate.touched.items():
+    for r, ids in _groups(candidate, units).items():
         assignment[r] = list(map(pairs.__getitem__, ids))
     return Plan(
         assignment=assignment,
