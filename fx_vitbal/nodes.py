@@ -39,11 +39,12 @@ import math
 from fx_vitbal.planner import (
     _best_fit,
     _Candidate,
+    _candidate,
     _inter_node_rows,
     _min_move,
     _moved,
     _refine,
-    _room,
+    _rooms,
     _shed,
     _Units,
 )
@@ -73,7 +74,7 @@ def node_min_move(
 
     Returns the node-aware candidate, and node-blind min-move's too when the node-aware one ends
     above ``accept``."""
-    shed, dest, loads, rank_tokens, rank_units = _shed(units, order, base, cap, accept)
+    shed, dest, loads, rank_tokens, rank_units = _shed(units, base, cap, accept)
     start = (dest[:], loads[:], rank_tokens[:], rank_units[:])
     misfits = _best_fit_nodes_first(
         shed, dest, loads, rank_tokens, rank_units, units, cap, accept, ranks_per_node
@@ -88,7 +89,7 @@ def node_min_move(
     _best_fit(misfits, dest, loads, rank_tokens, rank_units, units, cap, accept)
     candidate = _refine(dest, units, base, cap, accept, units.num_ranks)
     if max(candidate.loads) > accept:
-        candidate = _repair(candidate, units, cap, accept, ranks_per_node)
+        candidate = _repair(candidate, units, base, cap, accept, ranks_per_node)
     if max(candidate.loads) <= accept:
         return [candidate]
     return [candidate, _min_move(units, order, base, cap, accept)]
@@ -121,7 +122,7 @@ def _best_fit_nodes_first(
         budget[src[u] // ranks_per_node] -= cost[u]
     by_load = sorted((load, r) for r, load in enumerate(loads))
     by_node = [sorted((loads[r], r) for r in ranks) for ranks in node_ranks]
-    room = [_room(r, rank_tokens, rank_units, cap) for r in range(num_ranks)]
+    room = _rooms(rank_tokens, rank_units, cap)
     misfits = []
     for u in order:
         need, home = tokens[u], src[u] // ranks_per_node
@@ -172,7 +173,12 @@ _REPAIR_SCAN = 64
 
 
 def _repair(
-    candidate: _Candidate, units: _Units, cap: float, accept: float, ranks_per_node: int
+    candidate: _Candidate,
+    units: _Units,
+    base: list[float],
+    cap: float,
+    accept: float,
+    ranks_per_node: int,
 ) -> _Candidate:
     """Bring ranks above ``accept`` down to it: move one of their units to a rank with room for
     it, or swap it for a cheaper unit of any rank with room for the difference.
@@ -237,8 +243,7 @@ def _repair(
                 loads[to] += cost[k]
                 rank_tokens[frm] -= tokens[k]
                 rank_tokens[to] += tokens[k]
-    keeps = all(n <= cap or len(h) <= 1 for n, h in zip(rank_tokens, held, strict=True))
-    return _Candidate(dest, loads, keeps)
+    return _candidate(dest, units, base, cap)
 
 
 def _repair_steps(

@@ -9,9 +9,15 @@ Two strategies:
   move/swap refinement between the most and least loaded ranks. It reaches a makespan close to the
   lower bound but moves nearly every unit (each lands wherever the heap says).
 - ``min-move`` (default): keep units home and move only what must move. Overloaded ranks shed
-  units down to a target makespan (LPT's, plus 1%; uncapped LPT's when LPT under the row cap
-  gains nothing), the shed units are placed LPT-style, and the seed's move/swap refinement repairs
-  any overshoot. LPT is the fallback.
+  units down to a target makespan, the shed units are placed best-fit, and the seed's move/swap
+  refinement repairs any overshoot. The target is first the lower bound of any plan's makespan
+  plus 1%, which needs no LPT; only when that fails (or node-aware planning or an exchange model
+  weighs the plans) does LPT run, and the target becomes LPT's makespan plus 1% (uncapped LPT's
+  when LPT under the row cap gains nothing), with LPT itself a candidate.
+
+Per-plan sums (loads, rows, the plan's lists) start from each rank's home values and revisit only
+the ranks moves touch, with C-level iterators: plans move few units, and per-unit Python loops
+are what planning time is made of.
 
 Both keep a cap on the pixel rows each rank computes (``BalanceConfig.max_len_ratio``); by default
 no rank may end with more rows than the fullest rank holds before balancing, so balancing never
@@ -23,7 +29,9 @@ import collections
 import dataclasses
 import heapq
 import math
+import operator
 from collections.abc import Callable, Sequence
+from itertools import accumulate, chain, compress, repeat
 from typing import NamedTuple
 
 from fx_vitbal.config import BalanceConfig
@@ -115,15 +123,13 @@ def solve_plan(
         from fx_vitbal import nodes  # built on this module's primitives: imported late
     units = _Units(costs, tokens)
     base = [float(h) for h in history] if history is not None else [0.0] * num_ranks
-    home = units.src[:]
-    loads_before = _loads(home, units, base)
+    loads_before = _loads(units.src, units, base, {})
     cap = _token_cap(units, config.max_len_ratio)
-    home_keeps_cap = _cap_respected(home, units, cap)
+    home_keeps_cap = _keeps_cap(units.home_rows, units.counts, cap)
+    home = _Candidate(units.src, loads_before, home_keeps_cap, {}, units.home_rows)
 
     def skip(reason: str) -> Plan:
-        return _make_plan(
-            home, home_keeps_cap, units, base, loads_before, False, reason, ranks_per_node
-        )
+        return _make_plan(home, units, loads_before, False, reason, ranks_per_node)
 
     if num_ranks == 1:
         return skip("single-rank")
@@ -135,6 +141,32 @@ def solve_plan(
     if config.skip_rule == "seed" and max(units.cost) > mean_load:
         return skip("dominant-unit")
 
+    def apply(best: _Candidate) -> Plan:
+        if not best.cap_respected and home_keeps_cap:
+            return skip("cap")
+        plan = _make_plan(best, units, loads_before, True, "applied", ranks_per_node)
+        if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
+            return skip("no-gain")
+        return plan
+
+    # min-move aims first at the lower bound of any plan's makespan + the slack, without LPT
+    # (its sort and per-unit heap are the seed's whole cost). LPT's makespan is at least the
+    # bound, so a plan reaching it that keeps the cap is within the slack of every candidate
+    # below: the selection there would take it or one as good moving fewer rows (LPT, which
+    # moves nearly every unit, rarely). Node-aware planning and the exchange model weigh more
+    # than makespan and rows: they always take the full path.
+    if (
+        config.strategy == "min-move"
+        and exchange_seconds is None
+        and not node_aware
+        and home_keeps_cap
+    ):
+        bound = max(mean_load, max(base), min(base) + max(units.cost))
+        accept = bound * (1.0 + MAKESPAN_SLACK)
+        first = _shed_and_place(units, base, cap, accept)
+        if max(first.loads) <= accept and first.cap_respected:
+            return apply(first)
+
     order = units.by_cost_desc()
     # The plain greedy balances cost, not rows: it cannot keep a cap that no assignment keeps,
     # nor one at or below the mean rows unless every rank ends exactly at the cap, and where it
@@ -144,7 +176,7 @@ def solve_plan(
     free = _lpt(units, order, base) if keepable and slack else None
     lpt = _refine(
         free
-        if free is not None and _cap_respected(free, units, cap)
+        if free is not None and _candidate(free, units, base, cap).cap_respected
         else _lpt_within(units, order, base, cap),
         units,
         base,
@@ -163,7 +195,7 @@ def solve_plan(
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
             free = free if free is not None else _lpt(units, order, base)
-            target = max(_loads(free, units, base))
+            target = max(_candidate(free, units, base, cap).loads)
         # With an exchange model the trade-off, not a fixed slack, decides how far min-move may
         # trail: it offers plans at several slacks and the cheapest makespan + exchange wins.
         slacks = EXCHANGE_SLACKS if exchange_seconds is not None else (MAKESPAN_SLACK,)
@@ -186,16 +218,7 @@ def solve_plan(
             return skip("cap")
         if not worth_moving(max(loads_before), max(best.loads), cost):
             return skip("exchange")
-        return _make_plan(
-            best.dest,
-            best.cap_respected,
-            units,
-            base,
-            loads_before,
-            True,
-            "applied",
-            ranks_per_node,
-        )
+        return _make_plan(best, units, loads_before, True, "applied", ranks_per_node)
     good_enough = min(max(c.loads) for c in pool) * (1.0 + MAKESPAN_SLACK)
 
     def traffic(c: _Candidate) -> float:
@@ -203,15 +226,7 @@ def solve_plan(
             return nodes.traffic(c.dest, units, ranks_per_node)
         return _moved(c.dest, units)
 
-    best = min(pool, key=lambda c: (max(c.loads) > good_enough, traffic(c)))
-    if not best.cap_respected and home_keeps_cap:
-        return skip("cap")
-    plan = _make_plan(
-        best.dest, best.cap_respected, units, base, loads_before, True, "applied", ranks_per_node
-    )
-    if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
-        return skip("no-gain")
-    return plan
+    return apply(min(pool, key=lambda c: (max(c.loads) > good_enough, traffic(c))))
 
 
 def worth_moving(makespan_before: float, makespan_after: float, exchange_seconds: float) -> bool:
@@ -231,23 +246,39 @@ def _crossing_rows(dest: list[int], units: "_Units") -> tuple[list[int], list[in
 
 
 class _Candidate(NamedTuple):
-    """An assignment (``dest[u]``: the rank computing unit ``u``) with what the planner weighs."""
+    """An assignment (``dest[u]``: the rank computing unit ``u``) with what the planner weighs:
+    its loads, summed afresh (``_loads``), whether it keeps the row cap, and the units on the
+    ranks its moves touch (``_touched``; None: not grouped yet, see ``_groups``), which the plan's
+    lists are made from, with every rank's rows."""
 
     dest: list[int]
     loads: list[float]
     cap_respected: bool
+    touched: dict[int, list[int]] | None
+    rows: list[int]
 
 
 class _Units:
-    """Flat arrays over all units of all ranks; unit ``u`` is ``(src[u], idx[u])``."""
+    """Flat arrays over all units of all ranks; unit ``u`` is ``pairs[u] = (src, idx)``, and rank
+    ``r``'s units are ``starts[r]`` to ``starts[r + 1] - 1``.
+
+    Built with C-level iterators, and with each rank's home cost and rows, because plans move few
+    units: per-plan sums start from the home ones and visit only the ranks moves touch.
+    """
 
     def __init__(self, costs: Sequence[Sequence[float]], tokens: Sequence[Sequence[int]]):
         self.num_ranks = len(costs)
-        self.src = [r for r, rank_costs in enumerate(costs) for _ in rank_costs]
-        self.idx = [i for rank_costs in costs for i in range(len(rank_costs))]
-        self.cost = [float(c) for rank_costs in costs for c in rank_costs]
-        self.tokens = [int(n) for rank_tokens in tokens for n in rank_tokens]
-        self.counts = [len(rank_costs) for rank_costs in costs]
+        self.counts = list(map(len, costs))
+        self.starts = [0, *accumulate(self.counts)]
+        self.src = list(chain.from_iterable(map(repeat, range(self.num_ranks), self.counts)))
+        # ``(src, idx)`` of each unit: what plans list.
+        self.pairs = list(zip(self.src, chain.from_iterable(map(range, self.counts)), strict=True))
+        self.cost = list(map(float, chain.from_iterable(costs)))
+        self.tokens = list(map(int, chain.from_iterable(tokens)))
+        ranges = list(map(slice, self.starts, self.starts[1:]))
+        # Summed in id order from 0.0, as ``_loads`` sums the ranks a plan touches.
+        self.home_cost = list(map(sum, map(self.cost.__getitem__, ranges)))
+        self.home_rows = list(map(sum, map(self.tokens.__getitem__, ranges)))
 
     def by_cost_desc(self) -> list[int]:
         """Unit ids by cost, descending; ties by (src, idx), i.e. by id (the sort is stable)."""
@@ -260,6 +291,22 @@ def _validate(costs, tokens, history) -> None:
         raise ValueError("solve_plan needs at least one rank, got costs for 0 ranks")
     if len(tokens) != len(costs):
         raise ValueError(f"costs has {len(costs)} ranks but tokens has {len(tokens)}")
+    # Whole-input checks in C first; the per-rank loop only runs to name what is wrong.
+    if (
+        list(map(len, costs)) != list(map(len, tokens))
+        or not all(map(math.isfinite, chain.from_iterable(costs)))
+        or min(chain.from_iterable(costs), default=0) < 0
+        or min(chain.from_iterable(tokens), default=0) < 0
+    ):
+        _name_invalid_rank(costs, tokens)
+    if history is not None:
+        if len(history) != len(costs):
+            raise ValueError(f"history has {len(history)} ranks, expected {len(costs)}")
+        if not all(math.isfinite(h) and h >= 0 for h in history):
+            raise ValueError(f"history must be finite and >= 0, got {list(history)!r}")
+
+
+def _name_invalid_rank(costs, tokens) -> None:
     for r, (rank_costs, rank_tokens) in enumerate(zip(costs, tokens, strict=True)):
         if len(rank_costs) != len(rank_tokens):
             raise ValueError(
@@ -269,25 +316,51 @@ def _validate(costs, tokens, history) -> None:
             raise ValueError(f"rank {r}: costs must be finite and >= 0, got {list(rank_costs)!r}")
         if rank_tokens and min(rank_tokens) < 0:
             raise ValueError(f"rank {r}: token counts must be >= 0, got {list(rank_tokens)!r}")
-    if history is not None:
-        if len(history) != len(costs):
-            raise ValueError(f"history has {len(history)} ranks, expected {len(costs)}")
-        if not all(math.isfinite(h) and h >= 0 for h in history):
-            raise ValueError(f"history must be finite and >= 0, got {list(history)!r}")
 
 
-def _loads(dest: list[int], units: _Units, base: list[float]) -> list[float]:
-    loads = base[:]
-    for d, c in zip(dest, units.cost, strict=True):
-        loads[d] += c
+def _moves(dest: list[int], units: _Units) -> list[int]:
+    """Ids of the units ``dest`` computes away from home, ascending (found in C)."""
+    return list(compress(range(len(dest)), map(operator.ne, dest, units.src)))
+
+
+def _touched(dest: list[int], units: _Units, moves: list[int]) -> dict[int, list[int]]:
+    """The units (ascending ids: ``(src, idx)`` order) that ``dest`` puts on each rank that
+    ``moves`` sends a unit to or from; every other rank computes its own units.
+
+    Units leaving or reaching those ranks stay among them, so a stable sort of their home units
+    by ``dest`` groups them, in C, whether few ranks or all take part."""
+    src, starts = units.src, units.starts
+    ranks = sorted({*map(src.__getitem__, moves), *map(dest.__getitem__, moves)})
+    ends = map(starts.__getitem__, map((1).__add__, ranks))
+    ids = list(chain.from_iterable(map(range, map(starts.__getitem__, ranks), ends)))
+    ids.sort(key=dest.__getitem__)
+    firsts = list(map(bisect.bisect_left, repeat(list(map(dest.__getitem__, ids))), ranks))
+    groups = map(ids.__getitem__, map(slice, firsts, [*firsts[1:], len(ids)]))
+    return dict(zip(ranks, groups, strict=True))
+
+
+def _loads(
+    dest: list[int], units: _Units, base: list[float], touched: dict[int, list[int]] | None = None
+) -> list[float]:
+    """Per-rank loads: history plus the rank's costs summed in id order (the same bits for the
+    same assignment however it was reached)."""
+    if touched is None:
+        touched = _touched(dest, units, _moves(dest, units))
+    loads = list(map(operator.add, base, units.home_cost))
+    sums = map(sum, map(map, repeat(units.cost.__getitem__), touched.values()))
+    for r, total in zip(touched, sums, strict=True):
+        loads[r] = base[r] + total
     return loads
 
 
-def _rows(dest: list[int], units: _Units) -> list[int]:
-    rows = [0] * units.num_ranks
-    for d, n in zip(dest, units.tokens, strict=True):
-        rows[d] += n
-    return rows
+def _rows_and_counts(units: _Units, touched: dict[int, list[int]]) -> tuple[list[int], list[int]]:
+    """Per-rank rows and unit counts, the home ones but on the ranks moves touch."""
+    rows, counts = units.home_rows[:], units.counts[:]
+    sums = map(sum, map(map, repeat(units.tokens.__getitem__), touched.values()))
+    for r, total, n in zip(touched, sums, map(len, touched.values()), strict=True):
+        rows[r] = total
+        counts[r] = n
+    return rows, counts
 
 
 def _token_cap(units: _Units, ratio: float | None) -> float:
@@ -297,7 +370,7 @@ def _token_cap(units: _Units, ratio: float | None) -> float:
     are integers, so flooring ``mean * ratio`` changes no comparison and keeps row room exact.
     """
     if ratio is None:
-        return max(_rows(units.src, units))
+        return max(units.home_rows)
     if ratio == math.inf:
         return math.inf
     return math.floor(sum(units.tokens) / units.num_ranks * ratio)
@@ -314,10 +387,13 @@ def _cap_unkeepable(units: _Units, cap: float) -> bool:
     return sum(units.tokens) > cap * units.num_ranks + excess
 
 
-def _room(r: int, rank_tokens: list[int], rank_units: list[int], cap: float) -> float:
-    """Rows rank ``r`` can still take. An empty rank may always hold one unit alone, however
+def _rooms(rank_tokens: list[int], rank_units: list[int], cap: float) -> list[float]:
+    """Rows each rank can still take. An empty rank may always hold one unit alone, however
     large (the cap's documented exception)."""
-    return cap - rank_tokens[r] if rank_units[r] else math.inf
+    room = list(map(operator.sub, repeat(cap), rank_tokens))
+    for r in compress(range(len(room)), map(operator.not_, rank_units)):
+        room[r] = math.inf
+    return room
 
 
 def _place(
@@ -342,8 +418,10 @@ def _place(
     in ``full`` instead of being popped again for each of them. Units come roughly in descending
     rows, so each rank changes heaps a few times: O(units * log ranks) in practice.
     """
+    if not order:  # best-fit placed every unit: skip the per-rank set-up
+        return
     cost, tokens, src = units.cost, units.tokens, units.src
-    room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
+    room = _rooms(rank_tokens, rank_units, cap)
     # A rank with room for none of the units starts in ``full``: placing units that fit nowhere
     # (best-fit's leftovers on nearly full ranks) would otherwise first move every rank there.
     least = min((tokens[u] for u in order), default=0)
@@ -417,18 +495,15 @@ def _refine(
     until the makespan is at most ``stop_load``, nothing helps, or ``max_iters`` steps ran.
 
     Returns the new assignment with its loads and whether it keeps the row cap (every candidate
-    plan comes out of here, so the per-rank sums are made once, in one pass over the units)."""
-    loads = _loads(dest, units, base)
-    if max(loads) <= stop_load or not max_iters:  # the usual case: no per-rank unit lists
-        return _Candidate(dest[:], loads, _cap_respected(dest, units, cap))
-    dest = dest[:]
-    loads = base[:]
-    held: list[list[int]] = [[] for _ in loads]
-    rank_tokens = [0] * len(loads)
-    for u, (d, c, n) in enumerate(zip(dest, units.cost, units.tokens, strict=True)):
-        held[d].append(u)
-        loads[d] += c
-        rank_tokens[d] += n
+    plan comes out of here, so the per-rank sums are made once, from the moved units)."""
+    first = _candidate(dest[:], units, base, cap)
+    if max(first.loads) <= stop_load or not max_iters:  # the usual case: no per-rank unit lists
+        return first
+    dest, loads = first.dest, first.loads
+    rank_tokens = first.rows[:]
+    held = list(map(list, map(range, units.starts, units.starts[1:])))
+    for r, ids in _groups(first, units).items():
+        held[r] = ids
     highest = [(-load, r) for r, load in enumerate(loads)]
     lowest = [(load, r) for r, load in enumerate(loads)]
     heapq.heapify(highest)
@@ -467,8 +542,7 @@ def _refine(
         for r in (hi, lo):
             heapq.heappush(highest, (-loads[r], r))
             heapq.heappush(lowest, (loads[r], r))
-    keeps_cap = all(n <= cap or len(h) <= 1 for n, h in zip(rank_tokens, held, strict=True))
-    return _Candidate(dest, loads, keeps_cap)
+    return _candidate(dest, units, base, cap)
 
 
 def _best_step(
@@ -532,13 +606,18 @@ def _min_move(
 
     Returns an assignment and its loads: the first attempt reaching ``accept``, else the better
     of the two attempts."""
-    shed, dest, loads, rank_tokens, rank_units = _shed(units, order, base, cap, accept)
-    _best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
-    first = _refine(dest, units, base, cap, accept, units.num_ranks)
+    first = _shed_and_place(units, base, cap, accept)
     if max(first.loads) <= accept:
         return first
     # Neither may reach the target (the row cap binds): the lower makespan, for solve_plan to weigh.
     return min(first, _fill_homes_first(units, order, base, cap, accept), key=_makespan)
+
+
+def _shed_and_place(units: _Units, base: list[float], cap: float, accept: float) -> _Candidate:
+    """min-move's first attempt: shed down to ``accept``, best-fit the shed units, refine."""
+    shed, dest, loads, rank_tokens, rank_units = _shed(units, base, cap, accept)
+    _best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
+    return _refine(dest, units, base, cap, accept, units.num_ranks)
 
 
 def _makespan(candidate: _Candidate) -> float:
@@ -546,22 +625,24 @@ def _makespan(candidate: _Candidate) -> float:
 
 
 def _shed(
-    units: _Units, order: list[int], base: list[float], cap: float, accept: float
+    units: _Units, base: list[float], cap: float, accept: float
 ) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
     """Every rank above ``accept`` (or above the row cap) sheds units until it is not.
 
-    Returns ``(shed, dest, loads, rank_tokens, rank_units)``: the shed units in ``order``'s total
-    order, and the home assignment without them (their ``dest`` still says home) with its loads,
-    rows and unit counts, ready for placement."""
-    held: list[list[int]] = [[] for _ in range(units.num_ranks)]
-    for u in reversed(order):
-        held[units.src[u]].append(u)  # each rank's units, cost-ascending
+    Returns ``(shed, dest, loads, rank_tokens, rank_units)``: the shed units by cost descending,
+    ties by id (``by_cost_desc``'s order), and the home assignment without them (their ``dest``
+    still says home) with its loads, rows and unit counts, ready for placement."""
     dest = units.src[:]
-    loads = _loads(dest, units, base)
-    rank_tokens = _rows(dest, units)
-    rank_units = [len(h) for h in held]
+    loads = _loads(dest, units, base, {})
+    rank_tokens, rank_units = units.home_rows[:], units.counts[:]
+    cost, starts = units.cost, units.starts
+    over = compress(range(units.num_ranks), map(operator.lt, repeat(accept), loads))
+    crowded = compress(range(units.num_ranks), map(operator.lt, repeat(cap), rank_tokens))
     shed: list[int] = []
-    for r, keep in enumerate(held):
+    # Only these ranks need their units in order: no global sort.
+    for r in sorted({*over, *(r for r in crowded if rank_units[r] > 1)}):
+        # Cost-ascending, ties by id descending: what reversing the global order gives.
+        keep = sorted(range(starts[r + 1] - 1, starts[r] - 1, -1), key=cost.__getitem__)
         while keep and (loads[r] > accept or (rank_tokens[r] > cap and len(keep) > 1)):
             for u in _units_to_shed(keep, loads[r] - accept, units):
                 keep.remove(u)
@@ -569,7 +650,7 @@ def _shed(
                 loads[r] -= units.cost[u]
                 rank_tokens[r] -= units.tokens[u]
                 rank_units[r] -= 1
-    shed.sort(key=lambda u: (-units.cost[u], u))  # the same total order as ``order``
+    shed.sort(key=lambda u: (-units.cost[u], u))
     return shed, dest, loads, rank_tokens, rank_units
 
 
@@ -606,10 +687,10 @@ def _best_fit(
     (photos, then videos with more rows at lower cost), and setting such a rank aside only to
     take it back for the next unit costs far more than stepping past it once.
     """
-    by_load = sorted((load, r) for r, load in enumerate(loads))
+    by_load = sorted(zip(loads, range(len(loads)), strict=True))
     full: list[tuple[float, int]] = []  # only ranks in by_load take units, so rooms stay exact
-    room = [_room(r, rank_tokens, rank_units, cap) for r in range(len(loads))]
-    needs = [units.tokens[u] for u in order]
+    room = _rooms(rank_tokens, rank_units, cap)
+    needs = list(map(units.tokens.__getitem__, order))
     misfits = []
     for k, u in enumerate(order):
         need = needs[k]
@@ -669,7 +750,7 @@ def _units_to_shed(ascending: list[int], excess: float, units: _Units) -> list[i
 
 
 def _moved(dest: list[int], units: _Units) -> int:
-    return sum(n for d, src, n in zip(dest, units.src, units.tokens, strict=True) if d != src)
+    return sum(map(units.tokens.__getitem__, _moves(dest, units)))
 
 
 def _inter_node_rows(dest: list[int], units: _Units, ranks_per_node: int | None) -> int:
@@ -677,39 +758,63 @@ def _inter_node_rows(dest: list[int], units: _Units, ranks_per_node: int | None)
     ``r // ranks_per_node``); 0 when nodes are unknown (``None``)."""
     if ranks_per_node is None:
         return 0
+    src, tokens = units.src, units.tokens
     return sum(
-        n
-        for d, src, n in zip(dest, units.src, units.tokens, strict=True)
-        if d // ranks_per_node != src // ranks_per_node
+        tokens[u]
+        for u in _moves(dest, units)
+        if dest[u] // ranks_per_node != src[u] // ranks_per_node
     )
 
 
-def _cap_respected(dest: list[int], units: _Units, cap: float) -> bool:
-    if cap == math.inf:
-        return True
-    over = [r for r, n in enumerate(_rows(dest, units)) if n > cap]
-    if not over:
-        return True
-    rank_units = collections.Counter(dest)  # counted in C: cheaper than a second Python pass
-    return all(rank_units[r] <= 1 for r in over)
+def _candidate(dest: list[int], units: _Units, base: list[float], cap: float) -> _Candidate:
+    """``dest`` with its fresh loads (running sums may differ in the last bits) and row check."""
+    moves = _moves(dest, units)
+    if 4 * len(moves) <= len(dest):
+        touched = _touched(dest, units, moves)
+        loads = _loads(dest, units, base, touched)
+        rows, counts = _rows_and_counts(units, touched)
+    else:  # most units move (LPT): one pass over them all; grouped only if a plan needs it
+        touched = None
+        costs, rows = [0.0] * units.num_ranks, [0] * units.num_ranks
+        for d, c, n in zip(dest, units.cost, units.tokens, strict=True):
+            costs[d] += c  # in id order from 0.0: the bits ``_loads`` gives
+            rows[d] += n
+        loads = list(map(operator.add, base, costs))
+        counts = collections.Counter(dest)  # counted in C
+    return _Candidate(dest, loads, _keeps_cap(rows, counts, cap), touched, rows)
+
+
+def _groups(candidate: _Candidate, units: _Units) -> dict[int, list[int]]:
+    """The units (ascending ids) of each rank the candidate's moves touch: ``touched``, or every
+    rank's, grouped now when ``_candidate`` left that for later."""
+    if candidate.touched is not None:
+        return candidate.touched
+    held: list[list[int]] = [[] for _ in range(units.num_ranks)]
+    for u, d in enumerate(candidate.dest):
+        held[d].append(u)
+    return dict(enumerate(held))
+
+
+def _keeps_cap(rows: list[int], counts: Sequence[int], cap: float) -> bool:
+    """No rank above ``cap`` rows, but for ranks holding a single unit."""
+    over = compress(range(len(rows)), map(operator.lt, repeat(cap), rows))
+    return all(counts[r] <= 1 for r in over)
 
 
 def _make_plan(
-    dest: list[int],
-    cap_respected: bool,
+    candidate: _Candidate,
     units: _Units,
-    base: list[float],
     loads_before: list[float],
     applied: bool,
     reason: str,
     ranks_per_node: int | None = None,
 ) -> Plan:
-    assignment: list[list[tuple[int, int]]] = [[] for _ in range(units.num_ranks)]
-    # Units are enumerated in (src, idx) order, so every assignment list comes out sorted.
-    for d, src, idx in zip(dest, units.src, units.idx, strict=True):
-        assignment[d].append((src, idx))
-    # Summed afresh: the refinement's running sums may differ from these in the last bits.
-    loads_after = _loads(dest, units, base)
+    dest, loads_after = candidate.dest, candidate.loads
+    # Ranks no move touches compute their own units, in order: slices of the home pairs.
+    starts, pairs = units.starts, units.pairs
+    assignment = list(map(pairs.__getitem__, map(slice, starts, starts[1:])))
+    for r, ids in _groups(candidate, units).items():
+        assignment[r] = list(map(pairs.__getitem__, ids))
     return Plan(
         assignment=assignment,
         applied=applied,
@@ -719,6 +824,6 @@ def _make_plan(
         imbalance_before=imbalance(loads_before),
         imbalance_after=imbalance(loads_after),
         moved_tokens=_moved(dest, units),
-        cap_respected=cap_respected,
+        cap_respected=candidate.cap_respected,
         inter_node_tokens=_inter_node_rows(dest, units, ranks_per_node),
     )

@@ -102,7 +102,9 @@ def _none_and_empty(rank: int, world: int) -> dict:
     vit = _NoEmptyBatches(ViTConfig(deepstack_indexes=(0,)))
     out = {}
     # Rank 2 has no image and says so with None; rank 1 has an empty tensor on a skipped step.
-    steps = {"applied": SKEWED, "skipped": [[[1, 4, 4]], [], [[1, 4, 4]]], "no_images": [[]] * 3}
+    # Applied: three equal images on rank 0, so the balanced plan gives one to rank 2.
+    applied = [[[1, 8, 8]] * 3, [[1, 2, 2]], []]
+    steps = {"applied": applied, "skipped": [[[1, 4, 4]], [], [[1, 4, 4]]], "no_images": [[]] * 3}
     for name, grids in steps.items():
         _, pixels, grid = make_inputs(grids[rank], in_dim=24, seed=rank)
         args = (None, None) if rank == 2 else (pixels, grid)
