@@ -129,7 +129,7 @@ def solve_plan(
     home = _Candidate(units.src, loads_before, home_keeps_cap, {}, units.home_rows)
 
     def skip(reason: str) -> Plan:
-        return _make_plan(home, units, loads_before, False, reason, ranks_per_node)
+        return _make_plan(home, units, base, loads_before, False, reason, ranks_per_node)
 
     if num_ranks == 1:
         return skip("single-rank")
@@ -144,7 +144,7 @@ def solve_plan(
     def apply(best: _Candidate) -> Plan:
         if not best.cap_respected and home_keeps_cap:
             return skip("cap")
-        plan = _make_plan(best, units, loads_before, True, "applied", ranks_per_node)
+        plan = _make_plan(best, units, base, loads_before, True, "applied", ranks_per_node)
         if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
             return skip("no-gain")
         return plan
@@ -218,7 +218,7 @@ def solve_plan(
             return skip("cap")
         if not worth_moving(max(loads_before), max(best.loads), cost):
             return skip("exchange")
-        return _make_plan(best, units, loads_before, True, "applied", ranks_per_node)
+        return _make_plan(best, units, base, loads_before, True, "applied", ranks_per_node)
     good_enough = min(max(c.loads) for c in pool) * (1.0 + MAKESPAN_SLACK)
 
     def traffic(c: _Candidate) -> float:
@@ -495,15 +495,17 @@ def _refine(
     until the makespan is at most ``stop_load``, nothing helps, or ``max_iters`` steps ran.
 
     Returns the new assignment with its loads and whether it keeps the row cap (every candidate
-    plan comes out of here, so the per-rank sums are made once, from the moved units)."""
+    plan comes out of here, so the per-rank sums are made once)."""
     first = _candidate(dest[:], units, base, cap)
     if max(first.loads) <= stop_load or not max_iters:  # the usual case: no per-rank unit lists
         return first
     dest, loads = first.dest, first.loads
     rank_tokens = first.rows[:]
-    held = list(map(list, map(range, units.starts, units.starts[1:])))
-    for r, ids in _groups(first, units).items():
-        held[r] = ids
+    groups, starts = _groups(first, units), units.starts
+    held = [
+        groups[r] if r in groups else list(range(starts[r], starts[r + 1]))
+        for r in range(units.num_ranks)
+    ]
     highest = [(-load, r) for r, load in enumerate(loads)]
     lowest = [(load, r) for r, load in enumerate(loads)]
     heapq.heapify(highest)
@@ -542,7 +544,10 @@ def _refine(
         for r in (hi, lo):
             heapq.heappush(highest, (-loads[r], r))
             heapq.heappush(lowest, (loads[r], r))
-    return _candidate(dest, units, base, cap)
+    keeps_cap = all(n <= cap or len(h) <= 1 for n, h in zip(rank_tokens, held, strict=True))
+    # Running sums, and no groups (moves appended out of id order): a plan chosen from here is
+    # grouped and summed afresh by ``_make_plan``, so the plan's loads do not depend on the path.
+    return _Candidate(dest, loads, keeps_cap, None, rank_tokens)
 
 
 def _best_step(
@@ -804,16 +809,20 @@ def _keeps_cap(rows: list[int], counts: Sequence[int], cap: float) -> bool:
 def _make_plan(
     candidate: _Candidate,
     units: _Units,
+    base: list[float],
     loads_before: list[float],
     applied: bool,
     reason: str,
     ranks_per_node: int | None = None,
 ) -> Plan:
     dest, loads_after = candidate.dest, candidate.loads
+    groups = _groups(candidate, units)
+    if candidate.touched is None:  # the refinement's running sums: summed afresh
+        loads_after = _loads(dest, units, base, groups)
     # Ranks no move touches compute their own units, in order: slices of the home pairs.
     starts, pairs = units.starts, units.pairs
     assignment = list(map(pairs.__getitem__, map(slice, starts, starts[1:])))
-    for r, ids in _groups(candidate, units).items():
+    for r, ids in groups.items():
         assignment[r] = list(map(pairs.__getitem__, ids))
     return Plan(
         assignment=assignment,
