@@ -31,7 +31,7 @@ import heapq
 import math
 import operator
 from collections.abc import Callable, Sequence
-from itertools import accumulate, chain, compress, repeat
+from itertools import accumulate, chain, compress, pairwise, repeat
 from typing import NamedTuple
 
 from fx_vitbal.config import BalanceConfig
@@ -275,10 +275,10 @@ class _Units:
         self.pairs = list(zip(self.src, chain.from_iterable(map(range, self.counts)), strict=True))
         self.cost = list(map(float, chain.from_iterable(costs)))
         self.tokens = list(map(int, chain.from_iterable(tokens)))
-        ranges = list(map(slice, self.starts, self.starts[1:]))
+        spans = list(pairwise(self.starts))  # rank r's ids: range(*spans[r])
         # Summed in id order from 0.0, as ``_loads`` sums the ranks a plan touches.
-        self.home_cost = list(map(sum, map(self.cost.__getitem__, ranges)))
-        self.home_rows = list(map(sum, map(self.tokens.__getitem__, ranges)))
+        self.home_cost = [sum(self.cost[a:b]) for a, b in spans]
+        self.home_rows = [sum(self.tokens[a:b]) for a, b in spans]
 
     def by_cost_desc(self) -> list[int]:
         """Unit ids by cost, descending; ties by (src, idx), i.e. by id (the sort is stable)."""
@@ -330,13 +330,12 @@ def _touched(dest: list[int], units: _Units, moves: list[int]) -> dict[int, list
     Units leaving or reaching those ranks stay among them, so a stable sort of their home units
     by ``dest`` groups them, in C, whether few ranks or all take part."""
     src, starts = units.src, units.starts
-    ranks = sorted({*map(src.__getitem__, moves), *map(dest.__getitem__, moves)})
-    ends = map(starts.__getitem__, map((1).__add__, ranks))
-    ids = list(chain.from_iterable(map(range, map(starts.__getitem__, ranks), ends)))
+    ranks = sorted({src[u] for u in moves} | {dest[u] for u in moves})
+    ids = list(chain.from_iterable(range(starts[r], starts[r + 1]) for r in ranks))
     ids.sort(key=dest.__getitem__)
-    firsts = list(map(bisect.bisect_left, repeat(list(map(dest.__getitem__, ids))), ranks))
-    groups = map(ids.__getitem__, map(slice, firsts, [*firsts[1:], len(ids)]))
-    return dict(zip(ranks, groups, strict=True))
+    owners = list(map(dest.__getitem__, ids))
+    bounds = [*(bisect.bisect_left(owners, r) for r in ranks), len(ids)]
+    return {r: ids[bounds[i] : bounds[i + 1]] for i, r in enumerate(ranks)}
 
 
 def _loads(
@@ -347,19 +346,17 @@ def _loads(
     if touched is None:
         touched = _touched(dest, units, _moves(dest, units))
     loads = list(map(operator.add, base, units.home_cost))
-    sums = map(sum, map(map, repeat(units.cost.__getitem__), touched.values()))
-    for r, total in zip(touched, sums, strict=True):
-        loads[r] = base[r] + total
+    for r, ids in touched.items():
+        loads[r] = base[r] + sum(map(units.cost.__getitem__, ids))
     return loads
 
 
 def _rows_and_counts(units: _Units, touched: dict[int, list[int]]) -> tuple[list[int], list[int]]:
     """Per-rank rows and unit counts, the home ones but on the ranks moves touch."""
     rows, counts = units.home_rows[:], units.counts[:]
-    sums = map(sum, map(map, repeat(units.tokens.__getitem__), touched.values()))
-    for r, total, n in zip(touched, sums, map(len, touched.values()), strict=True):
-        rows[r] = total
-        counts[r] = n
+    for r, ids in touched.items():
+        rows[r] = sum(map(units.tokens.__getitem__, ids))
+        counts[r] = len(ids)
     return rows, counts
 
 
@@ -390,10 +387,7 @@ def _cap_unkeepable(units: _Units, cap: float) -> bool:
 def _rooms(rank_tokens: list[int], rank_units: list[int], cap: float) -> list[float]:
     """Rows each rank can still take. An empty rank may always hold one unit alone, however
     large (the cap's documented exception)."""
-    room = list(map(operator.sub, repeat(cap), rank_tokens))
-    for r in compress(range(len(room)), map(operator.not_, rank_units)):
-        room[r] = math.inf
-    return room
+    return [cap - n if k else math.inf for n, k in zip(rank_tokens, rank_units, strict=True)]
 
 
 def _place(
@@ -641,8 +635,8 @@ def _shed(
     loads = _loads(dest, units, base, {})
     rank_tokens, rank_units = units.home_rows[:], units.counts[:]
     cost, starts = units.cost, units.starts
-    over = compress(range(units.num_ranks), map(operator.lt, repeat(accept), loads))
-    crowded = compress(range(units.num_ranks), map(operator.lt, repeat(cap), rank_tokens))
+    over = (r for r, load in enumerate(loads) if load > accept)
+    crowded = (r for r, n in enumerate(rank_tokens) if n > cap)
     shed: list[int] = []
     # Only these ranks need their units in order: no global sort.
     for r in sorted({*over, *(r for r in crowded if rank_units[r] > 1)}):
@@ -802,8 +796,7 @@ def _groups(candidate: _Candidate, units: _Units) -> dict[int, list[int]]:
 
 def _keeps_cap(rows: list[int], counts: Sequence[int], cap: float) -> bool:
     """No rank above ``cap`` rows, but for ranks holding a single unit."""
-    over = compress(range(len(rows)), map(operator.lt, repeat(cap), rows))
-    return all(counts[r] <= 1 for r in over)
+    return all(counts[r] <= 1 for r, n in enumerate(rows) if n > cap)
 
 
 def _make_plan(
