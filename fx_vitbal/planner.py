@@ -16,8 +16,8 @@ Two strategies:
   when LPT under the row cap gains nothing), with LPT itself a candidate.
 
 Per-plan sums (loads, rows, the plan's lists) start from each rank's home values and revisit only
-the ranks moves touch, with C-level iterators: plans move few units, and per-unit Python loops
-are what planning time is made of.
+the ranks moves touch: plans move few units, and per-unit Python loops are what planning time is
+made of.
 
 Both keep a cap on the pixel rows each rank computes (``BalanceConfig.max_len_ratio``); by default
 no rank may end with more rows than the fullest rank holds before balancing, so balancing never
@@ -152,9 +152,9 @@ def solve_plan(
     # min-move aims first at the lower bound of any plan's makespan + the slack, without LPT
     # (its sort and per-unit heap are the seed's whole cost). LPT's makespan is at least the
     # bound, so a plan reaching it that keeps the cap is within the slack of every candidate
-    # below: the selection there would take it or one as good moving fewer rows (LPT, which
-    # moves nearly every unit, rarely). Node-aware planning and the exchange model weigh more
-    # than makespan and rows: they always take the full path.
+    # below, and it is taken without asking them. The one thing given up: on a few ranks LPT
+    # may move fewer rows by chance (it moves nearly every unit at scale). Node-aware planning
+    # and the exchange model weigh more than makespan and rows: they always take the full path.
     if (
         config.strategy == "min-move"
         and exchange_seconds is None
