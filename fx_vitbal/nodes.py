@@ -74,6 +74,24 @@ def node_min_move(
 
     Returns the node-aware candidate, and node-blind min-move's too when the node-aware one ends
     above ``accept``."""
+    candidate = node_shed_and_place(units, base, cap, accept, ranks_per_node)
+    if max(candidate.loads) <= accept:
+        return [candidate]
+    return [candidate, _min_move(units, order, base, cap, accept)]
+
+
+def node_shed_and_place(
+    units: _Units,
+    base: list[float],
+    cap: float,
+    accept: float,
+    ranks_per_node: int,
+    repair: bool = True,
+) -> _Candidate:
+    """The node-aware attempt alone (steps 1-5 of the module docstring, step 5 only with
+    ``repair``): no global order, so ``solve_plan`` can aim it at the lower bound before any LPT
+    runs. It does so without the repair, which is slow where it fails (at 2048 ranks, the bound
+    out of reach: ~0.1 s) and the full path runs it anyway."""
     shed, dest, loads, rank_tokens, rank_units = _shed(units, base, cap, accept)
     start = (dest[:], loads[:], rank_tokens[:], rank_units[:])
     misfits = _best_fit_nodes_first(
@@ -88,11 +106,9 @@ def node_min_move(
         )
     _best_fit(misfits, dest, loads, rank_tokens, rank_units, units, cap, accept)
     candidate = _refine(dest, units, base, cap, accept, units.num_ranks)
-    if max(candidate.loads) > accept:
+    if repair and max(candidate.loads) > accept:
         candidate = _repair(candidate, units, base, cap, accept, ranks_per_node)
-    if max(candidate.loads) <= accept:
-        return [candidate]
-    return [candidate, _min_move(units, order, base, cap, accept)]
+    return candidate
 
 
 def _best_fit_nodes_first(

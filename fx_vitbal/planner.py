@@ -153,17 +153,15 @@ def solve_plan(
     # (its sort and per-unit heap are the seed's whole cost). LPT's makespan is at least the
     # bound, so a plan reaching it that keeps the cap is within the slack of every candidate
     # below, and it is taken without asking them. The one thing given up: on a few ranks LPT
-    # may move fewer rows by chance (it moves nearly every unit at scale). Node-aware planning
-    # and the exchange model weigh more than makespan and rows: they always take the full path.
-    if (
-        config.strategy == "min-move"
-        and exchange_seconds is None
-        and not node_aware
-        and home_keeps_cap
-    ):
+    # (or, node-aware, node-blind min-move) may move fewer rows by chance. The exchange model
+    # weighs seconds, not the slack: it always takes the full path.
+    if config.strategy == "min-move" and exchange_seconds is None and home_keeps_cap:
         bound = max(mean_load, max(base), min(base) + max(units.cost))
         accept = bound * (1.0 + MAKESPAN_SLACK)
-        first = _shed_and_place(units, base, cap, accept)
+        if node_aware:
+            first = nodes.node_shed_and_place(units, base, cap, accept, ranks_per_node, False)
+        else:
+            first = _shed_and_place(units, base, cap, accept)
         if max(first.loads) <= accept and first.cap_respected:
             return apply(first)
 
