@@ -11,9 +11,9 @@ Two strategies:
 - ``min-move`` (default): keep units home and move only what must move. Overloaded ranks shed
   units down to a target makespan, the shed units are placed best-fit, and the seed's move/swap
   refinement repairs any overshoot. The target is first the lower bound of any plan's makespan
-  plus 1%, which needs no LPT; only when that fails (or node-aware planning or an exchange model
-  weighs the plans) does LPT run, and the target becomes LPT's makespan plus 1% (uncapped LPT's
-  when LPT under the row cap gains nothing), with LPT itself a candidate.
+  plus 1%, which needs no LPT (node-aware planning too); only when that fails (or an exchange
+  model weighs the plans) does LPT run, and the target becomes LPT's makespan plus 1% (uncapped
+  LPT's when LPT under the row cap gains nothing), with LPT itself a candidate.
 
 Per-plan sums (loads, rows, the plan's lists) start from each rank's home values and revisit only
 the ranks moves touch: plans move few units, and per-unit Python loops are what planning time is
