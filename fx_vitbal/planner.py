@@ -123,7 +123,7 @@ def solve_plan(
         from fx_vitbal import nodes  # built on this module's primitives: imported late
     units = _Units(costs, tokens)
     base = [float(h) for h in history] if history is not None else [0.0] * num_ranks
-    loads_before = _loads(units.src, units, base, {})
+    loads_before = _loads(units, base, {})
     cap = _token_cap(units, config.max_len_ratio)
     home_keeps_cap = _keeps_cap(units.home_rows, units.counts, cap)
     home = _Candidate(units.src, loads_before, home_keeps_cap, {}, units.home_rows)
@@ -172,9 +172,10 @@ def solve_plan(
     slack = cap * units.num_ranks > sum(units.tokens)
     keepable = home_keeps_cap or not _cap_unkeepable(units, cap)
     free = _lpt(units, order, base) if keepable and slack else None
+    free_plan = _candidate(free, units, base, cap) if free is not None else None
     lpt = _refine(
         free
-        if free is not None and _candidate(free, units, base, cap).cap_respected
+        if free_plan is not None and free_plan.cap_respected
         else _lpt_within(units, order, base, cap),
         units,
         base,
@@ -192,8 +193,9 @@ def solve_plan(
         if target >= max(loads_before):
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
-            free = free if free is not None else _lpt(units, order, base)
-            target = max(_candidate(free, units, base, cap).loads)
+            if free_plan is None:
+                free_plan = _candidate(_lpt(units, order, base), units, base, cap)
+            target = max(free_plan.loads)
         # With an exchange model the trade-off, not a fixed slack, decides how far min-move may
         # trail: it offers plans at several slacks and the cheapest makespan + exchange wins.
         slacks = EXCHANGE_SLACKS if exchange_seconds is not None else (MAKESPAN_SLACK,)
@@ -336,13 +338,10 @@ def _touched(dest: list[int], units: _Units, moves: list[int]) -> dict[int, list
     return {r: ids[bounds[i] : bounds[i + 1]] for i, r in enumerate(ranks)}
 
 
-def _loads(
-    dest: list[int], units: _Units, base: list[float], touched: dict[int, list[int]] | None = None
-) -> list[float]:
-    """Per-rank loads: history plus the rank's costs summed in id order (the same bits for the
-    same assignment however it was reached)."""
-    if touched is None:
-        touched = _touched(dest, units, _moves(dest, units))
+def _loads(units: _Units, base: list[float], touched: dict[int, list[int]]) -> list[float]:
+    """Per-rank loads of an assignment whose ``touched`` ranks hold those units (``_touched``),
+    the others their own: history plus the rank's costs summed in id order (the same bits for
+    the same assignment however it was reached)."""
     loads = list(map(operator.add, base, units.home_cost))
     for r, ids in touched.items():
         loads[r] = base[r] + sum(map(units.cost.__getitem__, ids))
@@ -630,7 +629,7 @@ def _shed(
     ties by id (``by_cost_desc``'s order), and the home assignment without them (their ``dest``
     still says home) with its loads, rows and unit counts, ready for placement."""
     dest = units.src[:]
-    loads = _loads(dest, units, base, {})
+    loads = _loads(units, base, {})
     rank_tokens, rank_units = units.home_rows[:], units.counts[:]
     cost, starts = units.cost, units.starts
     over = (r for r, load in enumerate(loads) if load > accept)
@@ -768,7 +767,7 @@ def _candidate(dest: list[int], units: _Units, base: list[float], cap: float) ->
     moves = _moves(dest, units)
     if 4 * len(moves) <= len(dest):
         touched = _touched(dest, units, moves)
-        loads = _loads(dest, units, base, touched)
+        loads = _loads(units, base, touched)
         rows, counts = _rows_and_counts(units, touched)
     else:  # most units move (LPT): one pass over them all; grouped only if a plan needs it
         touched = None
@@ -809,7 +808,7 @@ def _make_plan(
     dest, loads_after = candidate.dest, candidate.loads
     groups = _groups(candidate, units)
     if candidate.touched is None:  # the refinement's running sums: summed afresh
-        loads_after = _loads(dest, units, base, groups)
+        loads_after = _loads(units, base, groups)
     # Ranks no move touches compute their own units, in order: slices of the home pairs.
     starts, pairs = units.starts, units.pairs
     assignment = list(map(pairs.__getitem__, map(slice, starts, starts[1:])))
