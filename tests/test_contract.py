@@ -333,6 +333,7 @@ def _changing_layouts(rank: int, world: int) -> dict:
             and torch.allclose(deepstack[0], want_deepstack[0], rtol=tol, atol=tol)
         )
         results["exchanges"].append(len(moves))
+        results["moves"] = results.get("moves", []) + moves
     return results
 
 
@@ -341,3 +342,4 @@ def test_outputs_may_change_layout_between_calls_on_every_rank_alike():
     for res in results:
         assert res["close"] == [True] * 4
         assert res["exchanges"] == [2] * 4  # pixels out, outputs home
+    assert_units_moved(results)

@@ -440,3 +440,4 @@ def test_an_online_fit_reset_on_one_rank_raises_the_same_error_on_every_rank():
     assert results[0]["error"] == results[1]["error"]
     assert "on the calls measured" in results[0]["error"]
     assert results[0]["after"] == results[1]["after"] and len(results[0]["after"]) == 2
+    assert "applied" in results[0]["after"]  # balanced again, in lockstep
