@@ -96,16 +96,25 @@ def gather_grids(
     return Gathered(grids_R, *agreed, reports_R)
 
 
-@functools.lru_cache(maxsize=64)  # one config per model: parse and hash it once
 def settings_fingerprint(planner: str, merge_size: int, world_size: int, calls: int = 0) -> int:
     """A 56-bit digest of everything that shapes the plan besides the data (config, cost model,
     unit rule: all in ``planner``), the same in every process: ranks compare it. ``verbose``
     shapes nothing (``verbose=(rank == 0)`` is a common set-up), so it is left out. ``calls``:
     with ``cost_model="online"``, the calls the fit has seen (``Measurements.calls``), since
     the fitted coefficients shape the plan too and only ranks that saw the same calls agree."""
+    digest = _settings_digest(planner, merge_size, world_size)
+    if not calls:
+        return digest
+    # Folded into the cached digest: the count changes every call, the settings never do.
+    text = digest.to_bytes(7, "big") + calls.to_bytes(8, "big")
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
+
+
+@functools.lru_cache(maxsize=64)  # one config per model: parse and hash it once
+def _settings_digest(planner: str, merge_size: int, world_size: int) -> int:
     spec = json.loads(planner)
     spec["config"]["verbose"] = False
-    text = f"{json.dumps(spec, sort_keys=True)}|{merge_size}|{world_size}|{calls}".encode()
+    text = f"{json.dumps(spec, sort_keys=True)}|{merge_size}|{world_size}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
