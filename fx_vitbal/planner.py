@@ -159,7 +159,9 @@ def solve_plan(
         bound = max(mean_load, max(base), min(base) + max(units.cost))
         accept = bound * (1.0 + MAKESPAN_SLACK)
         if node_aware:
-            first = nodes.node_shed_and_place(units, base, cap, accept, ranks_per_node, False)
+            first = nodes.node_shed_and_place(
+                units, base, cap, accept, ranks_per_node, repair=False
+            )
         else:
             first = _shed_and_place(units, base, cap, accept)
         if max(first.loads) <= accept and first.cap_respected:
