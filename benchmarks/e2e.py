@@ -97,11 +97,11 @@ def move_pixels(pixels: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
 
 
 def move_home(embeds: torch.Tensor, routing: torch.Tensor, home_rows: int) -> torch.Tensor:
-    return ops.restore([embeds], routing, SHRINK, [1], home_rows, GROUP)[0]  # merged rows
+    return ops.restore([embeds], routing, SHRINK, [1], [home_rows], GROUP)[0]  # merged rows
 
 
 def move_gradients(grads: torch.Tensor, routing: torch.Tensor, rows: int) -> torch.Tensor:
-    return ops.redistribute([grads], routing, SHRINK, [1], rows, GROUP)[0]
+    return ops.redistribute([grads], routing, SHRINK, [1], [rows], GROUP)[0]
 
 
 def measure_skewed(rank: int, vit, repeats: int) -> dict[str, Timing]:

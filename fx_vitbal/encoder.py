@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fx_vitbal import ops, timing
+from fx_vitbal import _compat, ops, timing
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
 from fx_vitbal.exchange import Routing, planner_spec
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# One object, so settings kept for ``config=None`` calls are found again (``planner_for``).
+DEFAULT_CONFIG = BalanceConfig()
 VIT_CHILD_NAMES = ("visual", "vision_model", "vision_tower", "image_encoder")
 # Child names under which torch.compile's OptimizedModule, checkpoint_wrapper / offload_wrapper
 # and FSDP1 hold the module they wrap (DDP and DataParallel use `module`, checked by class).
@@ -135,11 +137,13 @@ def unwrap_module(module: nn.Module) -> nn.Module:
         if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             module = module.module
             continue
-        children = vars(module).get("_modules", {})
-        name = next((n for n in WRAPPED_CHILD_NAMES if n in children), None)
-        if name is None:
+        # A plain loop: dynamo before 2.10 cannot trace next() over a generator.
+        for name in WRAPPED_CHILD_NAMES:
+            if name in module._modules:
+                module = module._modules[name]
+                break
+        else:
             return module
-        module = children[name]
 
 
 def dp_balance_vit_encoder(
@@ -268,14 +272,36 @@ def _warn_if_launched_without_group() -> None:
         )
 
 
-@torch.compiler.assume_constant_result
 def planner_for(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
     """``(planner spec string, merge size)`` for ``vit`` under ``config``.
 
-    A constant for ``torch.compile`` (its JSON building is not traceable): the ViT's class and
-    the config do not change while a compiled graph lives, and the string is an argument of
-    the ``plan`` op, so it is part of the graph and of every cache key.
+    Kept on the ViT for the last config it was asked with, so a step pays for the JSON once.
+    Under ``torch.compile`` it is a constant (the ViT's class and the config do not change
+    while a compiled graph lives, and the string is an argument of the ``plan`` op, so it is
+    part of the graph and of every cache key). Dynamo before torch 2.13 cannot make a constant
+    of a call on a module, so there the settings must have been made before the trace.
+
+    Raises:
+        RuntimeError: traced by dynamo before torch 2.13 with no settings made yet.
     """
+    cached = getattr(vit, "_vitbal_settings", None)
+    if cached is not None and cached[0] is config:
+        return cached[1]
+    if torch.compiler.is_compiling() and not _compat.DYNAMO_CALLS_ON_MODULES_ARE_CONSTANTS:
+        raise RuntimeError(
+            f"vit dp balance: torch {torch.__version__} cannot trace the balancing settings of "
+            f"a {type(vit).__qualname__} (torch >= 2.13 can); make them before compiling: "
+            "call fx_vitbal.enable_vit_balance on the ViT or its model, or call "
+            "dp_balance_vit_encoder once outside torch.compile with the same config object"
+        )
+    settings = _settings(vit, config)
+    if not torch.compiler.is_compiling():
+        vit._vitbal_settings = (config, settings)
+    return settings
+
+
+@torch.compiler.assume_constant_result
+def _settings(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
     spec = vision_encoder_spec(vit)
     architecture = spec.cost_model(unwrap_module(vit)) if spec.cost_model is not None else None
     cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture)
@@ -305,7 +331,7 @@ def in_balancing_mode(vit: nn.Module, when: str) -> bool:
 def _balanced_call(
     vit, call, pixel_values, image_grid_thw, config=None, group=None, planner=None, planned=None
 ):
-    config = config or BalanceConfig()
+    config = config or DEFAULT_CONFIG
     dist_info = group_name_and_size(group)
     if not (dist_info is not None and balancing_active(vit, config)):
         if pixel_values is None:  # no images here and nothing to take part in
@@ -389,8 +415,8 @@ def run_balanced(
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
     outputs, extra = run(pixels, grid)
     layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
-    home_blocks = pixel_values.shape[0] // area
-    return ops.restore(outputs, routing, area, layouts, home_blocks, group_name), extra
+    rows = ops.home_rows(layouts, pixel_values.shape[0], area)
+    return ops.restore(outputs, routing, area, layouts, rows, group_name), extra
 
 
 def _timed(run, clock, module):
@@ -441,10 +467,21 @@ def _without_images(run, pixel_values, route, area, grad):
 
 def _in_place_call(vit, original, config, group, pixel_values, image_grid_thw):
     planner = vit._vitbal_planner
-    planned = vars(vit).pop("_vitbal_next_plan", None)  # fx_vitbal.use_plan: for one call
+    planned = None
+    if getattr(vit, "_vitbal_next_plan", None) is not None:  # fx_vitbal.use_plan: for one call
+        planned = _take_plan(vit)
     return _balanced_call(
         vit, original, pixel_values, image_grid_thw, config, group, planner, planned
     )
+
+
+@torch.compiler.disable(
+    reason="a plan made ahead (fx_vitbal.plan_ahead) is handed over eagerly; with "
+    "fullgraph=True, let the compiled graph plan in the step (use no plan)"
+)
+def _take_plan(vit: nn.Module) -> "PlannedBatch":
+    planned, vit._vitbal_next_plan = vit._vitbal_next_plan, None
+    return planned
 
 
 def plain_forward(vit: nn.Module) -> Callable:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fx_vitbal import _compat
+
 # Dtypes a pixel tensor may have; the index is what travels in the metadata header.
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Grid rows that ride in the metadata header; ranks with more need a second gather.
@@ -70,7 +72,7 @@ def gather_grids(
     inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
     local = torch.tensor(header + sum(inline, []), dtype=torch.int64, device=device)
     gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_single(gathered, local, group)
+    _compat.all_gather_single(gathered, local, group)
     values = gathered.view(world, local.numel()).tolist()
     headers = [v[: len(header)] for v in values]
     _raise_on_bad_input(headers)
@@ -90,7 +92,7 @@ def gather_grids(
     if rows:
         padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
     grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
-    dist.all_gather_single(grids_R, padded.flatten(), group)
+    _compat.all_gather_single(grids_R, padded.flatten(), group)
     grids = grids_R.view(world, max_rows, 3).tolist()
     grids_R = [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
     return Gathered(grids_R, *agreed, reports_R)
@@ -149,7 +151,7 @@ def check_output_layouts(
     device = meta_device(group, xs[0].device)
     gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
     local = torch.tensor(header, dtype=torch.int64, device=device)
-    dist.all_gather_single(gathered, local, group)
+    _compat.all_gather_single(gathered, local, group)
     headers = gathered.view(world, len(header)).tolist()
     _raise_if_not_as_planned([h.pop() for h in headers])
     problems = []

@@ -141,10 +141,18 @@ def _segments(ids: Tensor) -> Segments:
     return torch.unique_consecutive(ids, return_counts=True)[1].tolist()
 
 
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention of ``[heads, N, head_dim]`` tensors under a boolean ``mask``, written out: torch
+    2.14's ``scaled_dot_product_attention`` cannot be traced by dynamo with an unbacked ``N``
+    (it guards on ``N == 0``), and the same graph on every torch keeps snapshots stable."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
     """Attention of ``[heads, N, head_dim]`` tensors restricted to ``segments``."""
     if isinstance(segments, Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=segments)
+        return _masked_attention(q, k, v, segments)
     if not segments:
         # Empty batch: a zero-row attention keeps the parameters in the autograd graph.
         return F.scaled_dot_product_attention(q, k, v)
@@ -176,11 +184,14 @@ def _patch_layout(grid_thw: Tensor, num_patches: int, m: int) -> tuple[Tensor, T
     image_start = torch.cumsum(image_size, 0) - image_size
     frame_start = torch.cumsum(t, 0) - t
     local = torch.arange(num_patches, device=grid_thw.device) - image_start[image]
-    own_frame_size = frame_size[image]
+    # Divisors clamped to >= 1, which they are for every valid grid: the kernel torch 2.11's
+    # inductor generates for this on the CPU (unbacked sizes) died with SIGFPE, an integer
+    # division by zero, without the clamp.
+    own_frame_size = frame_size[image].clamp_min(1)
     frame_id = frame_start[image] + local // own_frame_size
     p = local % own_frame_size
     block, r = p // (m * m), p % (m * m)
-    blocks_per_row = w[image] // m
+    blocks_per_row = (w[image] // m).clamp_min(1)
     row = (block // blocks_per_row) * m + r // m
     col = (block % blocks_per_row) * m + r % m
     return frame_id, row, col
@@ -203,7 +214,10 @@ class _Merger(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # unflatten/flatten instead of reshape(-1, k): inductor can specialize an unbacked row
-        # count through reshape on a non-contiguous view.
+        # count through reshape on a non-contiguous view. The check tells dynamo the rows split
+        # into blocks, which torch before 2.10 cannot prove for unbacked rows (FX needs no hint).
+        if torch.compiler.is_compiling():
+            torch._check(x.shape[0] % (self.m * self.m) == 0)
         return self.mlp(self.norm(x).unflatten(0, (-1, self.m * self.m)).flatten(1))
 
 
@@ -350,7 +364,8 @@ class _DecoderBlock(_PreNormBlock):
         # Static unflatten sizes only, so torch.fx never has to trace a shape.
         qkv = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1)).transpose(0, 2)
         q, k, v = qkv.unbind(1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        causal = q.new_ones((q.shape[1], q.shape[1]), dtype=torch.bool).tril()
+        out = _masked_attention(q, k, v, causal)
         x = x + self.proj(out.transpose(0, 1).flatten(1))
         return x + self.mlp(self.norm2(x))
 

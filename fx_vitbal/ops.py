@@ -150,32 +150,33 @@ def redistribute(
     routing: torch.Tensor,
     merge_area: int,
     block_rows: list[int],
-    out_blocks: int | None,
+    out_rows: list[int] | None,
     group_name: str,
 ) -> list[torch.Tensor]:
     """Send each local unit's rows to the rank computing it; returns the balanced tensors.
 
     Tensors move in whole merge blocks (``merge_area`` pixel rows each): ``block_rows[i]`` is how
     many rows of ``xs[i]`` make one block (``merge_area`` for pixels and pre-merger outputs, 1 for
-    merged outputs). ``out_blocks`` is only known in backward graphs (the forward's input
-    blocks); otherwise the result has a fresh data-dependent size of at least one block (every
-    rank computes at least the dummy unit).
+    merged outputs). ``out_rows`` (each result's rows) is only known in backward graphs (the
+    forward's input rows); otherwise the result has a fresh data-dependent size of at least one
+    block (every rank computes at least the dummy unit).
     """
     return _move(xs, routing, merge_area, block_rows, False, group_name)
 
 
 @redistribute.register_fake
-def _(xs, routing, merge_area, block_rows, out_blocks, group_name):
-    if out_blocks is not None:
-        return [
-            x.new_empty(out_blocks * n, *x.shape[1:]) for x, n in zip(xs, block_rows, strict=True)
-        ]
+def _(xs, routing, merge_area, block_rows, out_rows, group_name):
+    if out_rows is not None:
+        return [x.new_empty(n, *x.shape[1:]) for x, n in zip(xs, out_rows, strict=True)]
     # Forward: one fresh row count, not ``blocks * n``. A product would reach a ViT marked as a
     # nested_compile_region as an expression in place of its size symbol, which AOTAutograd's
     # partitioner of the region rejects ("Node ... was invalid, but is output").
     if len(set(block_rows)) != 1:
         raise ValueError(f"tensors redistributed together must share a layout, got {block_rows}")
     rows = torch.library.get_ctx().new_dynamic_size(min=block_rows[0])
+    # Whole blocks: ViTs that merge them (``unflatten(0, (-1, m * m))``) need this known, and
+    # torch before 2.10 cannot prove it from the symbol alone.
+    torch._check(rows % block_rows[0] == 0)
     return [x.new_empty(rows, *x.shape[1:]) for x in xs]
 
 
@@ -185,14 +186,14 @@ def restore(
     routing: torch.Tensor,
     merge_area: int,
     block_rows: list[int],
-    out_blocks: int,
+    out_rows: list[int],
     group_name: str,
     check_layouts: bool = True,
 ) -> list[torch.Tensor]:
     """Send computed rows back to each unit's home rank and original position.
 
     ``block_rows`` as in ``redistribute`` (``output_block_rows`` reads it from the ViT's outputs);
-    ``out_blocks`` is the home rank's merge blocks (its pixel rows / ``merge_area``). Before
+    ``out_rows`` is each result's rows on the home rank (``home_rows``). Before
     moving anything, every rank checks every rank's row layouts (one small gather), so a ViT
     output of the wrong size raises the same ``ValueError`` everywhere instead of a hang.
     ``redistribute``'s backward skips that check (``check_layouts=False``): autograd gives the
@@ -203,8 +204,22 @@ def restore(
 
 
 @restore.register_fake
-def _(xs, routing, merge_area, block_rows, out_blocks, group_name, check_layouts=True):
-    return [x.new_empty(out_blocks * n, *x.shape[1:]) for x, n in zip(xs, block_rows, strict=True)]
+def _(xs, routing, merge_area, block_rows, out_rows, group_name, check_layouts=True):
+    for rows, n in zip(out_rows, block_rows, strict=True):
+        if n == merge_area:  # pre-merger rows: whole blocks, for parents that merge them
+            torch._check(rows % merge_area == 0)
+    return [x.new_empty(n, *x.shape[1:]) for x, n in zip(xs, out_rows, strict=True)]
+
+
+def home_rows(block_rows: list[int], pixel_rows: int, merge_area: int) -> list[int]:
+    """Rows each restored output has on a home rank with ``pixel_rows`` pixel rows, given its
+    rows per merge block (``output_block_rows``).
+
+    Pre-merger outputs get ``pixel_rows`` itself rather than ``pixel_rows // merge_area *
+    merge_area``: equal in value, but downstream code then sees the input's own size symbol,
+    where torch before 2.10 cannot reason about the product (``4*(u0//4) <= 0`` in a layer
+    norm's backward, for one)."""
+    return [pixel_rows if n == merge_area else pixel_rows // merge_area * n for n in block_rows]
 
 
 def output_block_rows(xs: list[torch.Tensor], pixel_rows: int, merge_area: int) -> list[int]:
@@ -280,7 +295,7 @@ def _setup_context(ctx, inputs, output):
         block_rows,
         group_name,
     )
-    ctx.in_blocks = xs[0].shape[0] // block_rows[0]
+    ctx.in_rows = [x.shape[0] for x in xs]
     ctx.out_like = [torch.empty_like(o, device="meta") for o in output]
     ctx.devices = [o.device for o in output]
 
@@ -302,7 +317,7 @@ def _backward_by(reverse_op, *extra):
             ctx.routing,
             ctx.merge_area,
             ctx.block_rows,
-            ctx.in_blocks,
+            ctx.in_rows,
             ctx.group_name,
             *extra,
         )

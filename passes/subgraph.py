@@ -29,7 +29,7 @@ import torch
 from torch import fx, nn
 
 from fx_vitbal.encoder import is_vision_encoder_class
-from fx_vitbal.ops import output_block_rows
+from fx_vitbal.ops import home_rows, output_block_rows
 
 _PLAN = torch.ops.vitbal.plan.default
 _REDISTRIBUTE = torch.ops.vitbal.redistribute.default
@@ -120,11 +120,11 @@ def rewrite_subgraph_call(
     pixel_rows = pixels.meta["example_value"].shape[0]
     layouts = output_block_rows([out.meta["example_value"] for out in outputs], pixel_rows, area)
     with graph.inserting_before(outputs[-1].next):  # new nodes land in creation order
-        blocks = graph.call_function(
-            operator.floordiv, (graph.call_function(_SYM_SIZE, (pixels, 0)), area)
+        rows = graph.call_function(
+            home_rows, (layouts, graph.call_function(_SYM_SIZE, (pixels, 0)), area)
         )
         restored = graph.call_function(
-            _RESTORE, (outputs, routing, area, layouts, blocks, group_name)
+            _RESTORE, (outputs, routing, area, layouts, rows, group_name)
         )
         items = [graph.call_function(operator.getitem, (restored, i)) for i in range(len(outputs))]
     for out, item in zip(outputs, items, strict=True):

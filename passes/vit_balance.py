@@ -27,7 +27,7 @@ from fx_vitbal.encoder import (
     regenerate_window_index,
     unwrap_module,
 )
-from fx_vitbal.ops import output_block_rows
+from fx_vitbal.ops import home_rows, output_block_rows
 from fx_vitbal.passes.subgraph import (
     insert_plan_and_redistribute,
     rewrite_subgraph_call,
@@ -92,7 +92,8 @@ def apply_vit_balance_pass(
         pixels_b = vitbal.redistribute([pixel_values], routing, area, [area], None, group)[0]
         vis = visual(pixels_b, grid_b)
         layouts = output_block_rows([vis[0], vis[2][0]], pixels_b.size(0), area)
-        embeds, deep0 = vitbal.restore([vis[0], vis[2][0]], routing, area, layouts, blocks, group)
+        rows = home_rows(layouts, pixel_values.size(0), area)  # each output's rows at home
+        embeds, deep0 = vitbal.restore([vis[0], vis[2][0]], routing, area, layouts, rows, group)
         window = regenerate_window_index(visual, image_grid_thw)
 
     Only the deepstack items the graph reads are moved back; ``layouts`` reads each output's row
@@ -195,12 +196,10 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size) -> 
         area = merge * merge
         rows_b = graph.call_method("size", (pixels_b, 0))
         layouts = graph.call_function(output_block_rows, (items, rows_b, area))
-        blocks = graph.call_function(
-            operator.floordiv, (graph.call_method("size", (pixels, 0)), area)
+        rows = graph.call_function(
+            home_rows, (layouts, graph.call_method("size", (pixels, 0)), area)
         )
-        restored = graph.call_function(
-            _RESTORE, (items, routing, area, layouts, blocks, group_name)
-        )
+        restored = graph.call_function(_RESTORE, (items, routing, area, layouts, rows, group_name))
         new = {
             key: graph.call_function(operator.getitem, (restored, i))
             for i, key in enumerate([(0,), *deep_keys])

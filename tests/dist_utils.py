@@ -14,6 +14,24 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+UNBACKED_BATCH_SIZES = TORCH_VERSION >= (2, 11)
+"""Whether one compiled graph can serve every image count (``mark_unbacked`` batch dims) for the
+test models, balanced or not. On torch 2.8, dynamo cannot trace the seed-style test ViT with
+unbacked rows even unbalanced (``Eq(64*((u0//4)), 0)`` in its indexing), and inductor's CPU
+lowering of the reference model guards on ``Eq((u3//4), 1)``; 2.11 and newer trace both
+(2.9 and 2.10 untested). Tests there compile per size instead."""
+
+
+def fullgraph_capture(enabled: bool = True):
+    """The dynamo setting under which ``fullgraph=True`` captures the ops' data-dependent sizes
+    on every supported torch: ``fullgraph=True`` implies it from torch 2.10 on; 2.8 and 2.9 need it
+    set. Read when a frame is traced, so it wraps the calls, not ``torch.compile``."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """Call ``fn(rank, world_size, *args)`` on every rank; return each rank's return value.
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
 
 import fx_vitbal
+from fx_vitbal import _compat
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 
 SKEWED = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]  # the plan is applied; rank 2 has nothing
@@ -51,7 +52,7 @@ def _plan_in_background(vit, batches, group, config=None) -> list:
 def _counting():
     """Count the library's gathers and host reads (as test_host_syncs.py does)."""
     counts = {"all_gather_single": 0, "tolist": 0}
-    originals = {"all_gather_single": dist.all_gather_single, "tolist": torch.Tensor.tolist}
+    originals = {"all_gather_single": _compat.all_gather_single, "tolist": torch.Tensor.tolist}
 
     def counting(name):
         def wrapper(*args, **kwargs):
@@ -62,11 +63,11 @@ def _counting():
 
         return wrapper
 
-    dist.all_gather_single = counting("all_gather_single")
+    _compat.all_gather_single = counting("all_gather_single")
     torch.Tensor.tolist = counting("tolist")
 
     def restore():
-        dist.all_gather_single = originals["all_gather_single"]
+        _compat.all_gather_single = originals["all_gather_single"]
         torch.Tensor.tolist = originals["tolist"]
 
     return counts, restore
@@ -116,7 +117,7 @@ def _same_results(rank: int, world: int) -> dict:
     model = fx_vitbal.enable_vit_balance(_model())
     fx_vitbal.use_plan(model, inplace)
     results["in_place"] = (train_step(model, SKEWED[rank], rank), reference)
-    results["consumed"] = "_vitbal_next_plan" not in vars(model.visual)
+    results["consumed"] = getattr(model.visual, "_vitbal_next_plan", None) is None
     return results
 
 

@@ -14,7 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_utils import assert_units_moved, record_moves, run_ranks
+from dist_utils import (
+    UNBACKED_BATCH_SIZES,
+    assert_units_moved,
+    fullgraph_capture,
+    record_moves,
+    run_ranks,
+)
 from torch import nn
 
 import fx_vitbal
@@ -219,11 +225,11 @@ def _compiled(rank: int, world: int, variants: list[str]) -> dict:
                     options={"inner": "aot_eager"},
                     fullgraph=path == "wrapped_fullgraph",
                 )
-            with record_moves() as moves:
+            with record_moves() as moves, fullgraph_capture(path != "backend"):
                 got = []
                 for step in range(2):  # a second step with other sizes: no recompile needed
                     step_args, _, _ = _inputs((rank + step) % world, variant)
-                    if path != "backend":
+                    if path != "backend" and UNBACKED_BATCH_SIZES:
                         for t in step_args:
                             torch._dynamo.decorators.mark_unbacked(t, 0)
                     got.append(_step(run, step_args))
@@ -249,7 +255,8 @@ def test_any_vit_with_the_contract_is_balanced_exactly_under_torch_compile(varia
         for path in ("backend", "wrapped_fullgraph", "fx_fullgraph"):
             _check(results, (variant, path))
         for path in ("wrapped_fullgraph", "fx_fullgraph"):  # unbacked sizes: one graph, 2 steps
-            assert [res[variant, path]["graphs"] for res in results] == [1, 1, 1], path
+            graphs = [res[variant, path]["graphs"] for res in results]
+            assert graphs == [1, 1, 1] or not UNBACKED_BATCH_SIZES, (path, graphs)
 
 
 def test_an_unregistered_vit_gets_whole_rows_l2_costs_and_its_own_merge_size():

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks, train_step
 
 import fx_vitbal
+from fx_vitbal import _compat
 from fx_vitbal.metadata import meta_device
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 
@@ -31,7 +32,7 @@ def _count_step(rank: int, world: int) -> list[dict]:
 
         return wrapper
 
-    patched = [(dist, "all_gather_single"), (dist, "all_to_all_single")]
+    patched = [(_compat, "all_gather_single"), (dist, "all_to_all_single")]
     patched += [(torch.Tensor, "tolist"), (torch.Tensor, "item")]
     originals = [getattr(owner, name) for owner, name in patched]
     per_step = []

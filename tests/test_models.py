@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
+from dist_utils import fullgraph_capture
 from torch.testing import assert_close
 
 from fx_vitbal.models import (
@@ -353,6 +354,6 @@ def test_dynamo_fullgraph_matches_eager_with_unbacked_sizes():
         for t in inputs:
             torch._dynamo.decorators.mark_unbacked(t, 0)
         stance = "default" if step == 0 else "fail_on_recompile"
-        with torch.compiler.set_stance(stance):
+        with torch.compiler.set_stance(stance), fullgraph_capture():
             got = compiled(*inputs)
         assert_close(got, model(*inputs), rtol=1e-5, atol=1e-5)

@@ -32,7 +32,7 @@ def _opcheck_all(rank: int, world: int) -> list[str]:
         ),
         (
             torch.ops.vitbal.restore.default,
-            ([pre_merger, deep], routing, 4, [4, 1], pixels.shape[0] // 4, "0"),
+            ([pre_merger, deep], routing, 4, [4, 1], ops.home_rows([4, 1], len(pixels), 4), "0"),
         ),
     ):
         torch.library.opcheck(op, args)  # raises on any failure

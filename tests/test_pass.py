@@ -4,7 +4,7 @@ import operator
 
 import pytest
 import torch
-from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
+from dist_utils import assert_units_moved, fullgraph_capture, record_moves, run_ranks, train_step
 from expecttest import TestCase
 
 from fx_vitbal import BalanceConfig
@@ -52,22 +52,22 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     visual_1 = self.visual
     in_balancing_mode = fx_vitbal_encoder_in_balancing_mode(visual_1, 'training');  visual_1 = None
     plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 8}', 2, '0', in_balancing_mode);  image_grid_thw = in_balancing_mode = None
-    getitem_7 = plan_default[0]
-    getitem_8 = plan_default[1];  plan_default = None
-    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 4, [4], None, '0')
-    getitem_9 = redistribute_default[0];  redistribute_default = None
-    visual = self.visual(getitem_9, getitem_7);  getitem_7 = None
-    getitem_10 = visual[0]
-    getitem_11 = visual[2];  visual = None
-    getitem_12 = getitem_11[0];  getitem_11 = None
-    size = getitem_9.size(0);  getitem_9 = None
-    output_block_rows = fx_vitbal_ops_output_block_rows([getitem_10, getitem_12], size, 4);  size = None
+    getitem_10 = plan_default[0]
+    getitem_11 = plan_default[1];  plan_default = None
+    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_11, 4, [4], None, '0')
+    getitem_12 = redistribute_default[0];  redistribute_default = None
+    visual = self.visual(getitem_12, getitem_10);  getitem_10 = None
+    getitem_13 = visual[0]
+    getitem_14 = visual[2];  visual = None
+    getitem_15 = getitem_14[0];  getitem_14 = None
+    size = getitem_12.size(0);  getitem_12 = None
+    output_block_rows = fx_vitbal_ops_output_block_rows([getitem_13, getitem_15], size, 4);  size = None
     size_1 = pixel_values.size(0);  pixel_values = None
-    floordiv = size_1 // 4;  size_1 = None
-    restore_default = torch.ops.vitbal.restore.default([getitem_10, getitem_12], getitem_8, 4, output_block_rows, floordiv, '0');  getitem_10 = getitem_12 = getitem_8 = output_block_rows = floordiv = None
-    getitem_13 = restore_default[0]
-    getitem_14 = restore_default[1];  restore_default = None
-    projector_norm = self.projector.norm(getitem_13);  getitem_13 = None
+    home_rows = fx_vitbal_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
+    restore_default = torch.ops.vitbal.restore.default([getitem_13, getitem_15], getitem_11, 4, output_block_rows, home_rows, '0');  getitem_13 = getitem_15 = getitem_11 = output_block_rows = home_rows = None
+    getitem_16 = restore_default[0]
+    getitem_17 = restore_default[1];  restore_default = None
+    projector_norm = self.projector.norm(getitem_16);  getitem_16 = None
     unflatten = projector_norm.unflatten(0, (-1, 4));  projector_norm = None
     flatten = unflatten.flatten(1);  unflatten = None
     projector_mlp_0 = getattr(self.projector.mlp, "0")(flatten);  flatten = None
@@ -99,22 +99,22 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     visual_1 = self.visual
     in_balancing_mode = fx_vitbal_encoder_in_balancing_mode(visual_1, 'training');  visual_1 = None
     plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 8}', 2, '0', in_balancing_mode);  in_balancing_mode = None
-    getitem_7 = plan_default[0]
-    getitem_8 = plan_default[1];  plan_default = None
-    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_8, 4, [4], None, '0')
-    getitem_9 = redistribute_default[0];  redistribute_default = None
-    visual = self.visual(getitem_9, getitem_7);  getitem_7 = None
-    getitem_10 = visual[0];  visual = None
-    size = getitem_9.size(0);  getitem_9 = None
-    output_block_rows = fx_vitbal_ops_output_block_rows([getitem_10], size, 4);  size = None
+    getitem_10 = plan_default[0]
+    getitem_11 = plan_default[1];  plan_default = None
+    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_11, 4, [4], None, '0')
+    getitem_12 = redistribute_default[0];  redistribute_default = None
+    visual = self.visual(getitem_12, getitem_10);  getitem_10 = None
+    getitem_13 = visual[0];  visual = None
+    size = getitem_12.size(0);  getitem_12 = None
+    output_block_rows = fx_vitbal_ops_output_block_rows([getitem_13], size, 4);  size = None
     size_1 = pixel_values.size(0);  pixel_values = None
-    floordiv = size_1 // 4;  size_1 = None
-    restore_default = torch.ops.vitbal.restore.default([getitem_10], getitem_8, 4, output_block_rows, floordiv, '0');  getitem_10 = getitem_8 = output_block_rows = floordiv = None
-    getitem_11 = restore_default[0];  restore_default = None
+    home_rows = fx_vitbal_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
+    restore_default = torch.ops.vitbal.restore.default([getitem_13], getitem_11, 4, output_block_rows, home_rows, '0');  getitem_13 = getitem_11 = output_block_rows = home_rows = None
+    getitem_14 = restore_default[0];  restore_default = None
     visual_2 = self.visual
     regenerate_window_index = fx_vitbal_encoder_regenerate_window_index(visual_2, image_grid_thw);  visual_2 = image_grid_thw = None
     argsort = torch.argsort(regenerate_window_index);  regenerate_window_index = None
-    unflatten = getitem_11.unflatten(0, (-1, 4));  getitem_11 = None
+    unflatten = getitem_14.unflatten(0, (-1, 4));  getitem_14 = None
     getitem_2 = unflatten[argsort];  unflatten = argsort = None
     flatten = getitem_2.flatten(0, 1);  getitem_2 = None
     projector_norm = self.projector.norm(flatten);  flatten = None
@@ -156,7 +156,7 @@ def _pass_vs_reference(rank: int, world: int, compiled: bool) -> list:
     wanted = [train_step(reference, step[rank], rank) for step in STEPS]
     gm = apply_vit_balance_pass(symbolic_trace(_model(**config)))
     run = torch.compile(gm, backend="aot_eager", fullgraph=True) if compiled else gm
-    with record_moves() as moves:
+    with record_moves() as moves, fullgraph_capture(compiled):
         got = [train_step(run, step[rank], rank) for step in STEPS]
     return {"got": got, "wanted": wanted, "moves": moves}
 

@@ -247,7 +247,7 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     """
     config, group, _, rule = tower._vitbal_hf
     active = group_name_and_size(group) is not None and balancing_active(tower, config)
-    kwargs = {**dict(zip(params, args, strict=False)), **kwargs}
+    kwargs = {**dict(zip(params[: len(args)], args, strict=True)), **kwargs}
     if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):
         return None
     if kwargs.get("mm_encoder_outputs") is not None:
