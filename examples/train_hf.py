@@ -166,6 +166,15 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {total.item() / world:.6f}", flush=True)
     dist.barrier()  # no rank tears its connections down while another still uses them
+    # Drop the wrapped model before the process group. gloo's group is only torn down when its
+    # last reference goes, and its destructor joins gloo's worker threads. A worker that has just
+    # finished a collective may still hold that work; releasing it drops Python objects (its
+    # tensors), which takes the GIL. Left to the end of main, the last reference is DDP's
+    # reducer, whose destructor holds the GIL: the join and the worker then wait for each other
+    # forever, and the rank (and torchrun) never exits. With the model gone first, the last
+    # reference is dropped in destroy_process_group, which releases the GIL for the teardown.
+    # (Under FSDP2, torch's DTensors keep the group alive until the process exits: no join.)
+    del model, optimizer
     dist.destroy_process_group()
 
 
