@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import os
 import random
+import sys
 
 import torch
 import torch.distributed as dist
@@ -173,10 +174,16 @@ def main() -> None:
     # reducer, whose destructor holds the GIL: the join and the worker then wait for each other
     # forever, and the rank (and torchrun) never exits. With the model gone first, the last
     # reference is dropped in destroy_process_group, which releases the GIL for the teardown.
-    # (Under FSDP2, torch's DTensors keep the group alive until the process exits: no join.)
+    # Under FSDP2, torch's DTensors keep the group alive until the process exits, so gloo's
+    # worker threads outlive main; one that takes the GIL while Python finalizes is killed inside
+    # a destructor ("terminate called without an active exception"). Hence the exit below,
+    # which skips finalization once every output is flushed.
     del model, optimizer
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
