@@ -17,10 +17,14 @@ Rules that keep the ranks in lockstep:
 - The step compares, on each rank and without communicating, the batch the ViT gets (pixel
   shape, dtype and ``requires_grad``, the grid's values) and the settings (planner, merge size)
   with what was planned. A rank whose batch differs still takes part in the exchange with the
-  planned shapes (zeros stand in for its pixels) and sets a flag in its routing. The flag rides
-  in the step's first collective after the ViT, ``restore``'s gather of every rank's output
-  layouts (``metadata.check_output_layouts``): every rank then raises the same ``ValueError``,
-  before any output moves home. No collective and no host read are added for it.
+  planned shapes (zeros stand in for its pixels when the shapes differ) and sets a flag: in its
+  routing when the host knows it, or, for a grid on the device, as a device boolean compared
+  there. The flag rides in the rank's status word inside the outputs' exchange
+  (``fx_vitbal.status``): every rank then raises the same ``ValueError`` in ``restore``'s
+  backward (or at the end of ``restore`` when no backward will come), before any optimizer step
+  can use the outputs. No collective and no host read are added for it.
+- The output-layout key of a planned call (``metadata.layout_key``: the ViT, pixel dtype,
+  autocast) is taken when it is planned: plan under the autocast state of the step.
 - When the plan moves nothing (``plan.applied`` is False, the same on every rank), the step has
   no collective at all: a rank whose batch differs runs its ViT on the batch it got, locally,
   which is exactly the unbalanced call (a malformed batch then fails there as it would
@@ -37,9 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fx_vitbal import ops
+from fx_vitbal import ops, status, transfer
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.encoder import find_vit, is_balanced_in_place, planner_for
+from fx_vitbal.encoder import find_vit, is_balanced_in_place, layout_token, planner_for
 from fx_vitbal.exchange import Routing
 from fx_vitbal.planner import Plan
 
@@ -79,29 +83,54 @@ class PlannedBatch:
         Raises:
             ValueError: the planning group's ranks are not the step group's, in the same order.
         """
-        step_ranks = tuple(dist.get_process_group_ranks(ops.resolve_group(group_name)))
+        step_ranks = ops.group_ranks(ops.resolve_group(group_name))
         if step_ranks != self.ranks:
             raise ValueError(
                 f"plan_ahead planned over ranks {list(self.ranks)} but the ViT call's group has "
                 f"ranks {list(step_ranks)}; plan over a group with the same ranks, in order"
             )
+        status.check(group_name)  # a step whose backward never ran: its outputs' verdict first
         route = Routing.of(self.routing)
-        if settings == self.settings and batch_key(pixel_values, image_grid_thw) == self.batch:
-            grid = self.grid.to(image_grid_thw.device, image_grid_thw.dtype)
-            return pixel_values, grid, self.routing
-        rank = dist.get_rank(ops.resolve_group(group_name))
-        if not route.applied:
-            log.warning(
-                "vit dp balance: rank %d's batch or settings differ from the ones planned ahead; "
-                "the plan moves nothing, so this rank runs its ViT on its own batch, unbalanced",
-                rank,
-            )
+        if not route.applied:  # nothing moves anywhere: this rank's own batch, as it is
+            if settings != self.settings or not _same_shapes(
+                self.batch, pixel_values, image_grid_thw
+            ):
+                log.warning(
+                    "vit dp balance: rank %d's batch or settings differ from the ones planned "
+                    "ahead; the plan moves nothing, so this rank runs its ViT on its own batch",
+                    dist.get_rank(ops.resolve_group(group_name)),
+                )
             return _local_step(pixel_values, image_grid_thw, settings, route, group_name)
+        grid = transfer.to_device(self.grid, image_grid_thw.device).to(image_grid_thw.dtype)
+        if settings == self.settings and _same_shapes(self.batch, pixel_values, image_grid_thw):
+            routing = self.routing
+            if transfer.on_host(image_grid_thw):
+                if image_grid_thw.tolist() != self.batch[3]:  # a host read: waits for nothing
+                    routing = _flagged(self.routing)
+            else:  # compared where the grid lives; the verdict rides in the status word
+                planned = transfer.to_device(torch.tensor(self.batch[3]), image_grid_thw.device)
+                routing._vitbal_grid_differs = (image_grid_thw != planned).any()
+            return pixel_values, grid, routing
         shape, dtype, _, _ = self.batch
         stand_in = torch.zeros(shape, dtype=dtype, device=pixel_values.device)
-        flagged = self.routing.clone()
-        flagged[0] |= 2  # Routing.mismatched (bit 1 of the first value): restore's check raises
-        return stand_in, self.grid.to(image_grid_thw.device), flagged
+        return stand_in, grid, _flagged(self.routing)
+
+
+def _same_shapes(batch: "BatchKey", pixel_values, image_grid_thw) -> bool:
+    """The host-known part of ``batch_key``: pixel shape, dtype, requires_grad, grid rows."""
+    shape, dtype, grad, grid = batch
+    return (tuple(pixel_values.shape), pixel_values.dtype, pixel_values.requires_grad) == (
+        shape,
+        dtype,
+        grad,
+    ) and tuple(image_grid_thw.shape) == (len(grid), 3)
+
+
+def _flagged(routing: torch.Tensor) -> torch.Tensor:
+    """``routing`` marked ``Routing.mismatched`` (bit 1 of its first value): restore raises."""
+    flagged = routing.clone()
+    flagged[0] |= 2
+    return flagged
 
 
 def plan_ahead(
@@ -145,14 +174,16 @@ def plan_ahead(
         pixel_values = torch.empty(0, 0)
         image_grid_thw = torch.empty(0, 3, dtype=torch.long)
     planner, merge = settings
-    grid, routing, solved = ops.solve_for_rank(pixel_values, image_grid_thw, merge, planner, group)
+    grid, routing, solved = ops.solve_for_rank(
+        pixel_values, image_grid_thw, merge, planner, group, module_key=layout_token(vit)
+    )
     Routing.of(routing)  # parse it here, not in the step
     return PlannedBatch(
         plan=solved,
         grid=grid.cpu(),
         routing=routing,
         settings=settings,
-        ranks=tuple(dist.get_process_group_ranks(group)),
+        ranks=ops.group_ranks(group),
         batch=batch_key(pixel_values, image_grid_thw),
     )
 
@@ -175,7 +206,7 @@ def use_plan(model: nn.Module, plan: PlannedBatch, *, vit: str | nn.Module | Non
 
 def batch_key(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> BatchKey:
     """What a step compares with the planned batch: pixel shape, dtype, ``requires_grad`` and
-    grid values (one read of the grid, which waits for nothing when it is on the CPU)."""
+    grid values (read here, ahead of the step; the step compares a device grid on the device)."""
     shape = tuple(pixel_values.shape)
     return shape, pixel_values.dtype, pixel_values.requires_grad, image_grid_thw.tolist()
 

@@ -11,6 +11,7 @@ dimensions behind the architecture cost model).
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -21,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fx_vitbal import _compat, ops, timing
+from fx_vitbal import _compat, ops, timing, transfer
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
 from fx_vitbal.exchange import Routing, planner_spec
+from fx_vitbal.metadata import PROBLEMS
 
 if TYPE_CHECKING:
     from fx_vitbal.ahead import PlannedBatch
@@ -59,6 +61,10 @@ class VisionEncoderSpec:
     attention) from a ViT instance. Consequence: the default ``cost_model="auto"`` plans with
     it instead of ``(t*h*w)**2``, which misjudges most real images (attention only dominates
     past ~6x the hidden size in tokens per frame)."""
+    pixel_width: Callable[[nn.Module], int] | None = None
+    """Values per pixel row from a ViT instance. Consequence: a compiled call may pass
+    ``pixel_values=None`` on a rank without images (the graph needs the stand-in's width when
+    traced; eagerly the other ranks' width is learned from the plan)."""
 
     def merge_size(self, vit: nn.Module) -> int:
         """The declared merge size, else ``vit.spatial_merge_size``.
@@ -87,6 +93,7 @@ def register_vision_encoder(
     frame_independent: bool,
     spatial_merge_size: int | None = None,
     cost_model: Callable[[nn.Module], ArchitectureCost] | None = None,
+    pixel_width: Callable[[nn.Module], int] | None = None,
 ) -> type:
     """Declare a ViT class balanceable (see ``VisionEncoderSpec`` for the fields). Returns ``cls``.
 
@@ -99,6 +106,7 @@ def register_vision_encoder(
         spatial_merge_size=spatial_merge_size,
         frame_independent=frame_independent,
         cost_model=cost_model,
+        pixel_width=pixel_width,
     )
     return cls
 
@@ -297,7 +305,29 @@ def planner_for(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
     settings = _settings(vit, config)
     if not torch.compiler.is_compiling():
         vit._vitbal_settings = (config, settings)
+        layout_token(vit)  # made here too, so graphs traced later read it as a constant
     return settings
+
+
+def layout_token(vit: nn.Module) -> int:
+    """A number naming ``vit`` for the output layouts the ranks agreed on
+    (``metadata.layout_key``): unique in this process, never reused by a later ViT the way
+    ``id()`` is once the first is freed. Kept on the ViT; a graph traced before it had one
+    bakes a fresh one in as a constant (its first call then agrees on layouts again)."""
+    token = getattr(vit, "_vitbal_layout_token", None)
+    if token is None:
+        token = _new_layout_token()
+        if not torch.compiler.is_compiling():
+            vit._vitbal_layout_token = token
+    return token
+
+
+_LAYOUT_TOKENS = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def _new_layout_token() -> int:
+    return next(_LAYOUT_TOKENS)
 
 
 @torch.compiler.assume_constant_result
@@ -340,23 +370,43 @@ def _balanced_call(
     planner, merge = planner or planner_for(vit, config)
     # Unbalanced, a parent that passes a tensor runs the ViT on it even with zero rows, so the
     # ViT's parameters get (zero) gradients; DDP fails the next step if they get none.
+    problem = 0
     if pixel_values is None:  # no images here: take part with rows in the others' layout
-        device = next(iter(vit.parameters()), torch.empty(0)).device
-        pixel_values = torch.empty(0, 0, device=device)
-        image_grid_thw = torch.empty(0, 3, dtype=torch.long, device=device)
+        pixel_values, problem = _stand_in_pixels(vit)
+        image_grid_thw = torch.empty(0, 3, dtype=torch.long, device=pixel_values.device)
 
     def run(pixels, grid):
         embeds, window_index, deepstack = call(pixels, grid)
         return [embeds, *deepstack], window_index
 
     outputs, window_index = run_balanced(
-        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, planned, vit
+        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, planned, vit, problem
     )
-    if outputs is None:
-        return None, None, []
+    if outputs is None:  # no pixel tensor anywhere, or a problem every rank raises
+        # (A compiled rank returns the plan's empty output: it keeps the op in the graph.)
+        return (window_index if problem else None), None, []
     if window_index is not None:
         window_index = regenerate_window_index(vit, image_grid_thw)
     return outputs[0], window_index, list(outputs[1:])
+
+
+def _stand_in_pixels(vit: nn.Module) -> tuple[torch.Tensor, int]:
+    """Empty pixels for a rank that passed None, and a ``metadata.PROBLEMS`` code (0: none).
+
+    Eagerly they have no width: the plan tells the rank the others' (``_taking_part``). A
+    compiled graph fixes its shapes when traced, so there the width must be known then: the
+    registered ``pixel_width`` (``VisionEncoderSpec``), with the ViT's parameter dtype. Without
+    one, every rank raises (the stand-in only carries the problem code to the plan).
+    """
+    params = list(vit.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if not torch.compiler.is_compiling():
+        return torch.empty(0, 0, device=device), 0
+    pixel_width = vision_encoder_spec(vit).pixel_width
+    dtype = params[0].dtype if params else torch.float32
+    if pixel_width is None:
+        return torch.empty(0, 0, dtype=dtype, device=device), PROBLEMS["compiled_without_pixels"]
+    return torch.empty(0, pixel_width(unwrap_module(vit)), dtype=dtype, device=device), 0
 
 
 def run_balanced(
@@ -369,6 +419,7 @@ def run_balanced(
     grad_without_images=False,
     planned=None,
     module=None,
+    problem=0,
 ):
     """plan -> redistribute -> ``run(pixels, grid)`` -> restore, the one balanced ViT call of
     every eager and in-place path (and of compiled wrappers, which trace it).
@@ -391,20 +442,38 @@ def run_balanced(
       so FSDP's backward collectives stay matched. (Under ``torch.compile`` the dummy unit always
       runs with gradients: zeros.)
     ``planned`` (a ``fx_vitbal.ahead.PlannedBatch``) replaces the ``plan`` op's gather and solve.
-    ``module``: the ViT, whose trainable parameters' gradients mark the end of its backward for
-    the measured times (``fx_vitbal.timing``; eager only: compiled calls report no time).
+    ``module``: the ViT, which names its agreed output layouts (``metadata.layout_key``) and
+    whose trainable parameters' gradients mark the end of its backward for the measured times
+    (``fx_vitbal.timing``; eager only: compiled calls report no time). ``problem``: a
+    ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank.
+
+    Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
+    never waits for the ViT (``ops.restore``).
     """
     group_name, world_size = dist_info
     area = merge * merge
+    compiling = torch.compiler.is_compiling()
     if planned is None:
+        module_key = layout_token(module) if module is not None else 0
         grid, routing = ops.plan(
-            pixel_values, image_grid_thw, merge, planner, world_size, group_name
+            pixel_values,
+            image_grid_thw,
+            merge,
+            planner,
+            world_size,
+            group_name,
+            True,
+            module_key,
+            problem,
+            compiling,
         )
+        if problem:  # raised by the plan on every rank; its output keeps the op in the graph
+            return None, grid[:0]
     else:
         pixel_values, grid, routing = _planned_inputs(
             planned, pixel_values, image_grid_thw, (planner, merge), group_name
         )
-    if not torch.compiler.is_compiling():
+    if not compiling:
         route = Routing.of(routing)
         run = _timed(run, getattr(routing, "_vitbal_clock", None), module)
         if not route.any_units:
@@ -416,7 +485,9 @@ def run_balanced(
     outputs, extra = run(pixels, grid)
     layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
     rows = ops.home_rows(layouts, pixel_values.shape[0], area)
-    return ops.restore(outputs, routing, area, layouts, rows, group_name), extra
+    check_now = ops.no_backward_will_come(outputs)
+    restored = ops.restore(outputs, routing, area, layouts, rows, group_name, True, check_now)
+    return restored, extra
 
 
 def _timed(run, clock, module):
@@ -425,7 +496,7 @@ def _timed(run, clock, module):
         return run
 
     def timed(pixels, grid):
-        clock.forward_started()
+        clock.forward_started(pixels.device)
         outputs, extra = run(pixels, grid)
         clock.forward_ended(outputs, pixels, timing.watch_parameters(module))
         return outputs, extra
@@ -460,8 +531,9 @@ def _without_images(run, pixel_values, route, area, grad):
         return None, None
     dummy = torch.zeros(area, route.row_numel, dtype=route.dtype, device=pixel_values.device)
     side = math.isqrt(area)
+    grid = transfer.to_device(torch.tensor([[1, side, side]]), pixel_values.device)
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        outputs, extra = run(dummy, torch.tensor([[1, side, side]], device=pixel_values.device))
+        outputs, extra = run(dummy, grid)
     return [o[:0] for o in outputs], extra
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fx_vitbal import collectives, transfer
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import CostModel, cost_from_spec, cost_to_spec
 from fx_vitbal.metadata import DTYPES, row_numel
@@ -31,7 +32,7 @@ _plan_calls = itertools.count(1)  # the step number --dp-balance-verbose prints
 
 
 # Values before the per-rank and per-unit parts of a packed routing tensor (see Routing).
-ROUTING_HEADER = 8
+ROUTING_HEADER = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +49,17 @@ class Routing:
     that passed a pixel tensor (0: none did), so a rank that passed None can still receive rows;
     ``pixels_need_grad`` says whether any rank's pixels require gradients. ``mismatched`` (set
     only by a plan-ahead step, ``fx_vitbal.ahead``) says this rank's batch is not the one planned:
-    ``restore``'s layout check then makes every rank raise.
+    its status word then makes every rank raise (``fx_vitbal.status``). ``step`` names the call
+    for its status words; ``layout_key`` names the output layouts this call is checked against,
+    and ``check_layouts`` says whether some rank has none agreed for its key yet
+    (``metadata.layouts_agreed``): then ``restore`` gathers every rank's layouts first.
 
     Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
-    ``[applied | 2 * mismatched, num_units, world, dummy_rows, any_units, row_numel, dtype_code,
-    pixels_need_grad, send_rows_R, recv_rows_R, unit_rows_U, dest_U]``, zero-padded to
-    ``routing_size(max_units, world)``. The padding gives the tensor a size known from the
-    inputs (``max_units`` follows from the pixel rows), so compiled graphs need no fresh
-    data-dependent size for it.
+    ``[applied | 2 * mismatched | 4 * check_layouts, num_units, world, dummy_rows, any_units,
+    row_numel, dtype_code, pixels_need_grad, step, layout_key, send_rows_R, recv_rows_R,
+    unit_rows_U, dest_U]``, zero-padded to ``routing_size(max_units, world)``. The padding gives
+    the tensor a size known from the inputs (``max_units`` follows from the pixel rows), so
+    compiled graphs need no fresh data-dependent size for it.
     """
 
     applied: bool
@@ -69,13 +73,16 @@ class Routing:
     dtype_code: int = 0
     pixels_need_grad: bool = False
     mismatched: bool = False
-    permutations: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    """Row permutations already built for this step, ``(forward, inverse)`` by ``(shrink,
-    device)``: the four moves of a step (two forward, two backward) build and copy each once."""
+    step: int = 0
+    layout_key: int = 0
+    check_layouts: bool = False
+    runs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """Row ranges already worked out for this step, by ``(direction, shrink)``: the four moves
+    of a step (two forward, two backward) work each out once."""
 
     def to_tensor(self, max_units: int) -> torch.Tensor:
         header = [
-            int(self.applied) | 2 * int(self.mismatched),
+            int(self.applied) | 2 * int(self.mismatched) | 4 * int(self.check_layouts),
             len(self.unit_rows),
             len(self.send_rows),
             self.dummy_rows,
@@ -83,6 +90,8 @@ class Routing:
             self.row_numel,
             self.dtype_code,
             int(self.pixels_need_grad),
+            self.step,
+            self.layout_key,
         ]
         assert len(header) == ROUTING_HEADER
         values = header + self.send_rows + self.recv_rows + self.unit_rows + self.dest
@@ -100,36 +109,48 @@ class Routing:
             routing._vitbal_routing = parsed
         return parsed
 
-    def permutation(
-        self, shrink: int, device: torch.device, inverse: bool = False
-    ) -> torch.Tensor | None:
-        """Row indices that put this rank's units in destination order (None: identity), or
-        (``inverse``) that put rows in destination order back in local order: both directions
-        are gathers (``index_select``), which run at copy speed where a scatter
-        (``index_copy_``) of the same rows is several times slower."""
-        key = (shrink, device)
-        if key not in self.permutations:
-            rows_U = [n // shrink for n in self.unit_rows]
-            order_U = sorted(range(len(rows_U)), key=lambda i: (self.dest[i], i))
-            perm = _row_permutation(rows_U, order_U)
-            if perm is None:
-                self.permutations[key] = None, None
-            else:
-                self.permutations[key] = perm.to(device), torch.argsort(perm).to(device)
-        return self.permutations[key][inverse]
+    def send_runs(self, shrink: int) -> list[tuple[int, int]]:
+        """Row ranges of this rank's rows (``shrink`` pixel rows each) in destination order:
+        the units sorted by ``(dest, index)``, neighbours in both orders merged."""
+        key = ("send", shrink)
+        if key not in self.runs:
+            starts = [0, *itertools.accumulate(n // shrink for n in self.unit_rows)]
+            order = sorted(range(len(self.dest)), key=lambda i: (self.dest[i], i))
+            self.runs[key] = _merged((starts[i], starts[i + 1]) for i in order)
+        return self.runs[key]
+
+    def home_runs(self, shrink: int) -> list[tuple[int, int, int]]:
+        """``(source rank, first, end)`` row ranges, within each source's chunk of a move back
+        home, that put this rank's rows back in local order: a source returns the units it
+        computed for this rank in local order."""
+        key = ("home", shrink)
+        if key not in self.runs:
+            filled = [0] * len(self.send_rows)
+            ranges = []
+            for d, n in zip(self.dest, self.unit_rows, strict=True):
+                ranges.append((d, filled[d], filled[d] + n // shrink))
+                filled[d] += n // shrink
+            merged: list[tuple[int, int, int]] = []
+            for d, a, b in ranges:
+                if merged and merged[-1][0] == d and merged[-1][2] == a:
+                    merged[-1] = (d, merged[-1][1], b)
+                elif b > a:
+                    merged.append((d, a, b))
+            self.runs[key] = merged
+        return self.runs[key]
 
     @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
         values = routing.tolist()  # CPU tensor: no device sync
-        applied, num_units, world, dummy_rows, any_units, row_numel, dtype_code, grad = values[
-            :ROUTING_HEADER
-        ]
+        flags, num_units, world, dummy_rows, any_units, row_numel, dtype_code, grad = values[:8]
+        step, layout_key = values[8:ROUTING_HEADER]
         body = values[ROUTING_HEADER:]
         if len(body) < 2 * num_units + 2 * world:
             raise ValueError(f"malformed routing tensor of {len(values)} values")
         return cls(
-            applied=bool(applied & 1),
-            mismatched=bool(applied & 2),
+            applied=bool(flags & 1),
+            mismatched=bool(flags & 2),
+            check_layouts=bool(flags & 4),
             send_rows=body[:world],
             recv_rows=body[world : 2 * world],
             unit_rows=body[2 * world : 2 * world + num_units],
@@ -139,12 +160,25 @@ class Routing:
             row_numel=row_numel,
             dtype_code=dtype_code,
             pixels_need_grad=bool(grad),
+            step=step,
+            layout_key=layout_key,
         )
 
     @property
     def dtype(self) -> torch.dtype:
         """The pixel dtype the ranks with pixels agree on."""
         return DTYPES[self.dtype_code]
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """Non-empty ``(first, end)`` ranges, each merged into the previous one it continues."""
+    merged: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        elif b > a:
+            merged.append((a, b))
+    return merged
 
 
 def routing_size(max_units: int, world_size: int) -> int:
@@ -190,11 +224,13 @@ def plan_units(
     spec: str,
     cost_model: CostModel | None = None,
     exchange_seconds=None,
-) -> tuple[Plan, list[list[tuple[int, int, int]]]]:
+) -> tuple[Plan, list[list[tuple[int, int, int]]], str | None]:
     """Cost every unit of every rank and solve the plan (same result on every rank).
 
     ``cost_model`` replaces the spec's (the online model fitted this step, ``fx_vitbal.measured``);
     ``exchange_seconds`` goes to ``solve_plan``. The memo of unit costs lives for this call only.
+    Returns ``(plan, units per rank, the --dp-balance-verbose line on rank 0 or None)``: the
+    caller prints it once the call's last collective is done.
     """
     config, spec_cost = parse_planner_spec(spec)
     cost_model = spec_cost if cost_model is None else cost_model
@@ -202,9 +238,10 @@ def plan_units(
     costs, tokens = cost_units(units_R, cost_model)
     plan = solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds)
     step = next(_plan_calls)
+    note = None
     if config.verbose and rank == 0:
-        print(describe_plan(plan, step, sum(map(sum, tokens))), flush=True)
-    return plan, units_R
+        note = describe_plan(plan, step, sum(map(sum, tokens)))
+    return plan, units_R, note
 
 
 def cost_units(
@@ -255,19 +292,18 @@ def local_routing(
     return Routing(plan.applied, rows_R[rank], dest, send_rows, recv_rows, dummy_rows)
 
 
-def local_only_routing(
-    grid: list[list[int]], rank: int, world_size: int, merge_size: int
-) -> Routing:
+def local_only_routing(num_units: int, world_size: int, merge_size: int) -> Routing:
     """Routing that keeps every local unit home and moves nothing (balancing inactive), with
-    the dummy unit when the local batch is empty, as every compiled graph expects."""
-    rows = [t * h * w for t, h, w in grid]
+    the dummy unit when the local batch is empty, as every compiled graph expects. It lists no
+    units: nothing reads them when nothing moves, and listing them would read the grid (a host
+    sync when it lives on a device)."""
     return Routing(
         applied=False,
-        unit_rows=rows,
-        dest=[rank] * len(rows),
+        unit_rows=[],
+        dest=[],
         send_rows=[0] * world_size,
         recv_rows=[0] * world_size,
-        dummy_rows=0 if rows else merge_size**2,
+        dummy_rows=0 if num_units else merge_size**2,
     )
 
 
@@ -308,48 +344,91 @@ def exchange(
     shrink: int,
     reverse: bool,
     group: dist.ProcessGroup,
-) -> list[torch.Tensor]:
+    status_word: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Move unit rows to their computing ranks (``reverse=False``) or back home (``True``).
 
     All tensors travel in one ``all_to_all_single`` when they share a dtype (their trailing dims
     are flattened and concatenated), which is how deepstack layers ride with the embeddings.
-    Going out, the rows are put in destination order while they are packed; coming home, each
-    tensor's columns are gathered straight into their original order in a fresh output tensor.
+    Going out, the rows are put in destination order as slices of the input; coming home, they
+    already travel grouped by home rank, and each tensor is cut back into its original order
+    from slices of what arrived. Only slices are copied, into the one buffer each side needs.
+
+    ``status_word`` (``fx_vitbal.status``: int64s) rides to every rank inside the first
+    exchange, after each destination's rows; returns ``(moved tensors, every rank's words)``
+    (``[world, len(status_word)]`` int64 on the rows' device, or None without a word).
     """
     send_R = [n // shrink for n in routing.send_rows]
     recv_R = [n // shrink for n in routing.recv_rows]
     in_splits, out_splits = (recv_R, send_R) if reverse else (send_R, recv_R)
     outs: list[torch.Tensor | None] = [None] * len(xs)
+    words_R = None
     for dtype in dict.fromkeys(x.dtype for x in xs):  # one exchange per dtype, in first-use order
         members = [i for i, x in enumerate(xs) if x.dtype == dtype]
         flats = [xs[i].reshape(xs[i].shape[0], row_numel(xs[i])) for i in members]
-        perm = routing.permutation(shrink, flats[0].device, inverse=reverse)
         flat = flats[0] if len(flats) == 1 else torch.cat(flats, 1)
-        if perm is not None and not reverse:
-            flat = flat.index_select(0, perm)
-        moved = flat.new_empty(sum(out_splits), flat.shape[1])
-        dist.all_to_all_single(moved, flat.contiguous(), out_splits, in_splits, group=group)
-        columns = moved.split([f.shape[1] for f in flats], dim=1)
-        if reverse and perm is not None:
-            parts = [column.index_select(0, perm) for column in columns]
-        elif len(flats) > 1:  # custom-op outputs must not alias each other (even empty ones)
-            parts = [column.clone(memory_format=torch.contiguous_format) for column in columns]
+        if not reverse:  # home order -> destination order
+            flat = _cat_rows(flat, routing.send_runs(shrink))
+        widths = [f.shape[1] for f in flats]
+        if status_word is not None and words_R is None:
+            chunks, words = _all_to_all_with_word(flat, in_splits, out_splits, group, status_word)
+            words_R = words.view(torch.int64).view(len(out_splits), -1)
         else:
+            moved = flat.new_empty(sum(out_splits), flat.shape[1])
+            collectives.all_to_all(moved, flat.contiguous(), out_splits, in_splits, group)
+            chunks = moved.split(out_splits)
+        if reverse:  # grouped by home rank -> this rank's original order, tensor by tensor
+            parts = _home_order(chunks, routing.home_runs(shrink), widths)
+        elif len(flats) == 1:
             parts = [moved]
+        else:  # custom-op outputs must not alias each other (even empty ones)
+            columns = moved.split(widths, dim=1)
+            parts = [c.clone(memory_format=torch.contiguous_format) for c in columns]
         for i, part in zip(members, parts, strict=True):
             outs[i] = part.reshape(part.shape[0], *xs[i].shape[1:])
-    return outs
+    return outs, words_R
 
 
-def _row_permutation(rows_U: list[int], order_U: list[int]) -> torch.Tensor | None:
-    """Row indices of the units in ``order_U`` (None when that is the identity order)."""
-    if order_U == sorted(order_U):
-        return None
-    rows = torch.tensor(rows_U, dtype=torch.int64)
-    starts = torch.cumsum(rows, 0) - rows
-    order = torch.tensor(order_U, dtype=torch.int64)
-    ordered_rows = rows[order]
-    # Each output row r of unit k maps to starts[k] + (r - first output row of k).
-    shift = starts[order] - (torch.cumsum(ordered_rows, 0) - ordered_rows)
-    total = int(rows.sum())
-    return torch.repeat_interleave(shift, ordered_rows, output_size=total) + torch.arange(total)
+def _cat_rows(flat: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows ``runs`` select, in that order (``flat`` itself when they are all of it)."""
+    if runs == [(0, flat.shape[0])] or not flat.shape[0]:
+        return flat
+    return torch.cat([flat[a:b] for a, b in runs])
+
+
+def _all_to_all_with_word(flat, in_splits, out_splits, group, word):
+    """Rows ``in_splits[r]`` of ``flat`` to rank ``r``, each destination's rows followed by
+    ``word``; returns the rows from each rank (one ``[out_splits[r], width]`` view each) and
+    every rank's word, one after the other.
+
+    The move is flat, in elements: a word of two int64 is 16 bytes, whole elements of every
+    dtype up to 16 bytes, reinterpreted in the rows' dtype and back."""
+    width = flat.shape[1]
+    word = transfer.to_device(word, flat.device).view(flat.dtype)
+    sent = []
+    for rows in flat.split(in_splits):
+        sent += [rows.reshape(-1), word]
+    size = word.numel()
+    moved = flat.new_empty(sum(out_splits) * width + size * len(out_splits))
+    collectives.all_to_all(
+        moved,
+        torch.cat(sent),
+        [n * width + size for n in out_splits],
+        [n * width + size for n in in_splits],
+        group,
+    )
+    chunks, words = [], []
+    for piece in moved.split([n * width + size for n in out_splits]):
+        chunks.append(piece[: piece.numel() - size].view(-1, width))
+        words.append(piece[piece.numel() - size :])
+    return chunks, torch.cat(words)
+
+
+def _home_order(chunks, runs, widths) -> list[torch.Tensor]:
+    """Each tensor's columns of the rows ``runs`` take from the per-source ``chunks``."""
+    parts, first = [], 0
+    for width in widths:
+        pieces = [chunks[d][a:b, first : first + width] for d, a, b in runs]
+        parts.append(torch.cat(pieces) if pieces else chunks[0].new_empty(0, width))
+        first += width
+    return parts

@@ -48,8 +48,9 @@ class ExchangeModel:
 
 
 class ExchangeFit:
-    """Latency + bandwidth fitted from the timed forward exchanges (two ``all_to_all``s) of the
-    last ``window`` steps that moved anything: ``seconds ~ 2 * latency + bytes * spb`` by
+    """Latency + bandwidth fitted from the timed pixels' exchange (one ``all_to_all``,
+    ``fx_vitbal.timing``) of the last ``window`` steps that moved anything:
+    ``seconds ~ latency + bytes * spb`` by
     ``fit_nonnegative`` (robust, non-negative, bitwise alike on every rank).
 
     One observation per step: the fastest rank's time against the most bytes any rank moved.
@@ -83,7 +84,7 @@ class ExchangeFit:
             return
         self._steps_since = 0
         seconds = min(seconds_R[r] for r in reported)
-        self._observations.append(((2.0, float(max(bytes_R[r] for r in reported))), seconds))
+        self._observations.append(((1.0, float(max(bytes_R[r] for r in reported))), seconds))
         rows = [f for f, _ in self._observations]
         latency, spb = fit_nonnegative(rows, [s for _, s in self._observations])
         usable = len(self._observations) >= MIN_EXCHANGES and (latency or spb)

@@ -20,6 +20,7 @@ window), never the coefficients, so ranks agree on it through the settings finge
 
 import collections
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 
@@ -33,6 +34,8 @@ from fx_vitbal.metadata import DTYPES, REPORT_FIELDS
 from fx_vitbal.online import FittedCost, OnlineFit
 from fx_vitbal.planner import Plan
 from fx_vitbal.timing import StepClock
+
+log = logging.getLogger(__name__)
 
 Unit = tuple[int, int, int]
 
@@ -193,9 +196,11 @@ class Measurements:
         )
 
     def begin(
-        self, plan: Plan, units_R: list[list[Unit]], merge_size: int, device: torch.device
-    ) -> StepClock:
-        """Keep the units each rank computes under ``plan`` and start this rank's clock."""
+        self, plan: Plan, units_R: list[list[Unit]], merge_size: int
+    ) -> tuple[int, StepClock | None]:
+        """Keep the units each rank computes under ``plan``; ``(this call's id, this rank's
+        clock)``, the clock None when nothing reads measured times (no online fit, no stats
+        callback): then the call installs no hook at all."""
         # The units behind each rank's reported time: only an online fit reads them.
         computed = [
             [units_R[src][idx] for src, idx in assigned] or [(1, merge_size, merge_size)]
@@ -211,13 +216,24 @@ class Measurements:
             self._history[step] = _Step(computed, predicted)
             while len(self._history) > HISTORY:
                 self._history.popitem(last=False)
-            clock = StepClock(step, device, self._clocks)
-            self._clocks.append(clock)
-        return clock
+            clock = None
+            if self.fit is not None or _CALLBACKS:
+                clock = StepClock(step, self._clocks)
+                self._clocks.append(clock)
+        return step, clock
 
-    def stats(self, clock, rank, plan, units_R, measured, exchange) -> BalanceStats:
+    def defer(self, call_id: int, note: str | None, make_stats) -> None:
+        """Keep what call ``call_id`` reports (``note``, the verbose line; ``make_stats()``, its
+        ``BalanceStats``) until ``publish(call_id)``: user code runs only after the call's last
+        collective."""
+        with _DEFERRED_LOCK:
+            _DEFERRED[call_id] = (note, make_stats)
+            while len(_DEFERRED) > 4 * HISTORY:  # calls whose restore never ran
+                _DEFERRED.popitem(last=False)
+
+    def stats(self, step, rank, plan, units_R, measured, exchange) -> BalanceStats:
         model = self.cost_model()
-        past = self._history[clock.step]
+        past = self._history.get(step)
         coeffs = None
         if model is not None and model.num_observations:
             coeffs = tuple(model.coeffs)
@@ -227,7 +243,7 @@ class Measurements:
             predicted_exchange = exchange.step_seconds(send, recv) if plan.applied else 0.0
         fitted = self.exchange.coeffs if self.exchange is not None else None
         return BalanceStats(
-            step=clock.step,
+            step=step,
             rank=rank,
             applied=plan.applied,
             reason=plan.reason,
@@ -236,7 +252,7 @@ class Measurements:
             moved_rows=plan.moved_tokens,
             total_rows=sum(t * h * w for units in units_R for t, h, w in units),
             inter_node_rows=plan.inter_node_tokens,
-            predicted_seconds=past.predicted_R,
+            predicted_seconds=past.predicted_R if past is not None else None,
             predicted_exchange_seconds=predicted_exchange,
             measured_steps=measured["steps"],
             measured_seconds=measured["seconds"],
@@ -275,14 +291,31 @@ def measurements_for(group_name: str, planner: str) -> Measurements:
         return _STATES[key]
 
 
-def publish(make_stats: Callable[[], BalanceStats]) -> None:
-    """Give the callbacks this call's statistics, built only if some callback listens (they
-    walk every rank's units: no work for that on the hot path otherwise)."""
-    callbacks = list(_CALLBACKS.values())
-    if callbacks:
-        stats = make_stats()
-        for fn in callbacks:
+_DEFERRED: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+_DEFERRED_LOCK = threading.Lock()
+_FAILED: set[int] = set()  # callbacks whose exception was logged already
+
+
+def publish(call_id: int) -> None:
+    """Print call ``call_id``'s verbose line and give the callbacks its statistics (built
+    only if some callback listens: they walk every rank's units). Called after the call's last
+    forward collective; a callback that raises is logged (with its traceback, once per
+    callback) and never reaches the exchange."""
+    with _DEFERRED_LOCK:
+        note, make_stats = _DEFERRED.pop(call_id, (None, None))
+    if note is not None:
+        print(note, flush=True)
+    callbacks = list(_CALLBACKS.items())
+    if make_stats is None or not callbacks:
+        return
+    stats = make_stats()
+    for handle_id, fn in callbacks:
+        try:
             fn(stats)
+        except Exception:
+            if handle_id not in _FAILED:
+                _FAILED.add(handle_id)
+                log.exception("vit dp balance: stats callback %r raised; it keeps being called", fn)
 
 
 def reset() -> None:

@@ -10,22 +10,41 @@ import dataclasses
 import functools
 import hashlib
 import json
+import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from fx_vitbal import _compat
+from fx_vitbal import collectives, transfer
 
 # Dtypes a pixel tensor may have; the index is what travels in the metadata header.
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Grid rows that ride in the metadata header; ranks with more need a second gather.
 INLINE_GRID_ROWS = 32
 # Header fields gathered from every rank, one int64 row per rank.
-_STATUS, _ARG0, _ARG1, _NUM_ROWS, _ROW_NUMEL, _DTYPE, _FINGERPRINT, _GRAD = range(8)
+(
+    _STATUS,
+    _ARG0,
+    _ARG1,
+    _NUM_ROWS,
+    _ROW_NUMEL,
+    _DTYPE,
+    _FINGERPRINT,
+    _GRAD,
+    _GRAD_FIXED,
+    _NEW_LAYOUT,
+) = range(10)
 # --- measured times (fx_vitbal.measured): this rank's report of an earlier call rides after
 # the fields above: [step, ViT ns, exchange ns, exchange bytes, output bytes per pixel row].
 REPORT_FIELDS = 5
+# Problems the caller found before the plan (a status of their own: every rank raises them).
+PROBLEMS = {
+    "mm_encoder_outputs": 8,
+    "hidden_states": 9,
+    "compiled_without_pixels": 10,
+    "modalities_differ": 11,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +62,8 @@ class Gathered:
     exchange, whatever its own pixels say."""
     reports_R: list[list[int]] = dataclasses.field(default_factory=list)
     """Every rank's ``REPORT_FIELDS`` measured-time fields (``fx_vitbal.measured``)."""
+    check_layouts: bool = False
+    """Some rank has no output layouts agreed for this call's key (``layouts_agreed``)."""
 
 
 def gather_grids(
@@ -52,6 +73,10 @@ def gather_grids(
     group: dist.ProcessGroup,
     fingerprint: int = 0,
     report: Sequence[int] = (),
+    *,
+    problem: int = 0,
+    grad_fixed: bool = False,
+    new_layout: bool = False,
 ) -> Gathered:
     """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
 
@@ -61,41 +86,72 @@ def gather_grids(
     anywhere is detected from the header, so every rank raises the same ``ValueError`` after the
     first gather and none is left waiting in the second. ``report`` (at most ``REPORT_FIELDS``
     int64s, zero-padded) rides in the same header: this rank's measured times of an earlier call.
+    ``problem``: a ``PROBLEMS`` code the caller found (it wins over the input's own status);
+    ``grad_fixed``: this rank's pixels cannot be made to require gradients (a compiled call);
+    ``new_layout``: this rank has no output layouts agreed for the call.
+
+    Where the metadata lives on a device (a group without a CPU backend), a grid on that device
+    is checked there, so the gathered header is the only value read back: one host sync.
 
     Raises:
         ValueError: on every rank, naming each bad rank and its problem.
     """
     world = dist.get_world_size(group)
     device = meta_device(group, pixel_values.device)
-    header, rows = _local_header(pixel_values, grid_thw, merge_size, fingerprint)
-    header += list(report) + [0] * (REPORT_FIELDS - len(report))
-    inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
-    local = torch.tensor(header + sum(inline, []), dtype=torch.int64, device=device)
+    status, arg0, arg1 = _static_status(pixel_values, grid_thw)
+    on_device = not status and not transfer.on_host(grid_thw) and not gathers_on_host(group)
+    rows = []
+    if not status and not on_device:  # a CUDA grid with a gloo group: its one read
+        status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw.tolist(), merge_size)
+    if problem:
+        status, arg0, arg1, rows = problem, 0, 0, []
+    fields = [
+        len(rows) if not on_device or problem else grid_thw.shape[0],
+        row_numel(pixel_values) if pixel_values.dim() >= 1 else 0,
+        DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1,
+        fingerprint,
+        int(pixel_values.requires_grad),
+        int(grad_fixed),
+        int(new_layout),
+        *report,
+        *[0] * (REPORT_FIELDS - len(report)),
+    ]
+    if on_device and not problem:
+        local = _device_header(pixel_values, grid_thw, merge_size, fields)
+    else:
+        inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
+        values = [status, arg0, arg1, *fields, *sum(inline, [])]
+        local = transfer.to_device(torch.tensor(values, dtype=torch.int64), device)
     gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
-    _compat.all_gather_single(gathered, local, group)
-    values = gathered.view(world, local.numel()).tolist()
-    headers = [v[: len(header)] for v in values]
+    collectives.all_gather(gathered, local, group)
+    values = gathered.view(world, local.numel()).tolist()  # the step's one host read
+    size = 3 + len(fields)
+    headers = [v[:size] for v in values]
     _raise_on_bad_input(headers)
-    with_pixels = [h for h in headers if h[_ROW_NUMEL]] or [[0] * len(header)]
+    with_pixels = [h for h in headers if h[_ROW_NUMEL]] or [[0] * size]
     numel, dtype_code = with_pixels[0][_ROW_NUMEL], with_pixels[0][_DTYPE]
     agreed = (numel, dtype_code, any(h[_GRAD] for h in headers))
-    reports_R = [h[_GRAD + 1 :] for h in headers]
+    reports_R = [h[_NEW_LAYOUT + 1 :] for h in headers]
+    check = any(h[_NEW_LAYOUT] for h in headers)
     max_rows = max(h[_NUM_ROWS] for h in headers)
     if max_rows <= INLINE_GRID_ROWS:  # the usual step: one collective, one host read
-        flat_R = [v[len(header) :] for v in values]
         grids_R = [
-            [flat[3 * i : 3 * i + 3] for i in range(h[_NUM_ROWS])]
-            for flat, h in zip(flat_R, headers, strict=True)
+            [v[size + 3 * i : size + 3 * i + 3] for i in range(h[_NUM_ROWS])]
+            for v, h in zip(values, headers, strict=True)
         ]
-        return Gathered(grids_R, *agreed, reports_R)
-    padded = torch.zeros(max_rows, 3, dtype=torch.int64, device=device)
-    if rows:
-        padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        return Gathered(grids_R, *agreed, reports_R, check)
+    if on_device:
+        padded = grid_thw.new_zeros(max_rows, 3, dtype=torch.int64)
+        padded[: grid_thw.shape[0]] = grid_thw
+    else:
+        padded = torch.zeros(max_rows, 3, dtype=torch.int64)
+        padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+        padded = transfer.to_device(padded, device)
     grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
-    _compat.all_gather_single(grids_R, padded.flatten(), group)
+    collectives.all_gather(grids_R, padded.flatten(), group)
     grids = grids_R.view(world, max_rows, 3).tolist()
     grids_R = [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
-    return Gathered(grids_R, *agreed, reports_R)
+    return Gathered(grids_R, *agreed, reports_R, check)
 
 
 def settings_fingerprint(planner: str, merge_size: int, world_size: int, calls: int = 0) -> int:
@@ -130,12 +186,15 @@ def check_output_layouts(
     blocks: int,
     group: dist.ProcessGroup,
     mismatched: bool = False,
-) -> None:
+) -> list[tuple[int, int, int]]:
     """Raise the same ``ValueError`` on every rank unless every rank's ViT outputs have rows
     that fit their layout (``blocks * block_rows[i]``) and all ranks agree on each output's
     layout, dtype and row width (one small gather of a fixed-size header). The header's last
     field carries ``mismatched``: a plan-ahead step (``fx_vitbal.ahead``) whose batch is not the
     one planned on this rank; then every rank raises, before any output moves home.
+
+    The blocking check of a call whose layouts are not agreed yet (``layouts_agreed``); returns
+    them, ``(rows per block, dtype code, row width)`` per output, the same on every rank.
 
     Raises:
         ValueError: on every rank, naming each rank and output at fault.
@@ -144,14 +203,14 @@ def check_output_layouts(
     header = [len(xs)]
     for x, n in list(zip(xs, block_rows, strict=True))[:MAX_OUTPUTS]:
         fits = n > 0 and x.shape[0] == blocks * n
-        dtype = DTYPES.index(x.dtype) if x.dtype in DTYPES else len(DTYPES)
-        header += [n if fits else -x.shape[0] - 1, dtype, row_numel(x)]
+        _, dtype, numel = output_layout(x, n)
+        header += [n if fits else -x.shape[0] - 1, dtype, numel]
     header += [0] * (1 + 3 * MAX_OUTPUTS - len(header))
     header.append(int(mismatched))
     device = meta_device(group, xs[0].device)
     gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
-    local = torch.tensor(header, dtype=torch.int64, device=device)
-    _compat.all_gather_single(gathered, local, group)
+    local = transfer.to_device(torch.tensor(header, dtype=torch.int64), device)
+    collectives.all_gather(gathered, local, group)
     headers = gathered.view(world, len(header)).tolist()
     _raise_if_not_as_planned([h.pop() for h in headers])
     problems = []
@@ -172,6 +231,43 @@ def check_output_layouts(
         problems.insert(0, "ranks disagree on the ViT's outputs")
     if problems:
         raise ValueError("vit dp balance: bad ViT output; " + "; ".join(problems))
+    mine = headers[dist.get_rank(group)]
+    return [tuple(mine[1 + 3 * i : 4 + 3 * i]) for i in range(mine[0])]
+
+
+def output_layout(x: torch.Tensor, block_rows: int) -> tuple[int, int, int]:
+    """``(rows per block, dtype code, row width)`` of one ViT output, as agreed layouts hold
+    them (an unknown dtype has code ``len(DTYPES)``)."""
+    dtype = DTYPES.index(x.dtype) if x.dtype in DTYPES else len(DTYPES)
+    return block_rows, dtype, row_numel(x)
+
+
+# --- agreed output layouts: per ranks of the group (a plan-ahead group and its step group
+# share them) and per layout key (``layout_key``), what every rank's ViT outputs looked like at
+# the call that agreed on them.
+_AGREED: dict[tuple[tuple[int, ...], int], list[tuple[int, int, int]]] = {}
+_AGREED_LOCK = threading.Lock()
+
+
+def layout_key(module_key: int, pixels_dtype_code: int, device_type: str) -> int:
+    """A rank's key for the layouts of a call: its ViT (``module_key``; 0 inside a compiled
+    graph, whose layouts are fixed), the pixels' dtype and the autocast state, which is all that
+    changes a sound ViT's output layouts between calls."""
+    autocast = torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type) if autocast else None
+    text = f"{module_key}|{pixels_dtype_code}|{autocast}|{dtype}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
+
+
+def layouts_agreed(ranks: tuple[int, ...], key: int) -> list[tuple[int, int, int]] | None:
+    """The output layouts the ranks agreed on for ``key``, or None before any."""
+    with _AGREED_LOCK:
+        return _AGREED.get((ranks, key))
+
+
+def agree_layouts(ranks: tuple[int, ...], key: int, layouts: list[tuple[int, int, int]]) -> None:
+    with _AGREED_LOCK:
+        _AGREED[(ranks, key)] = layouts
 
 
 def _raise_if_not_as_planned(mismatched_R: list[int]) -> None:
@@ -201,45 +297,52 @@ def row_numel(x: torch.Tensor) -> int:
     return numel
 
 
+def gathers_on_host(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` has a CPU backend (gloo): metadata gathered there is read without
+    waiting for any device."""
+    return "gloo" in str(dist.get_backend(group))
+
+
 def meta_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
     """Where metadata is gathered: the CPU when the group has a CPU backend (gloo: reading the
     result syncs no device), else the device of the data (``like``), else the device the group
-    is bound to, else the current accelerator. Never a hard-coded ``cuda``."""
-    if "gloo" in str(dist.get_backend(group)):
+    is bound to, else the current accelerator (else the CPU, if the backend serves it). Never a
+    hard-coded ``cuda``."""
+    if gathers_on_host(group):
         return torch.device("cpu")
     if like.type != "cpu":
         return like
     bound = getattr(group, "bound_device_id", None)
     if bound is not None:
         return bound
-    accelerator = torch.accelerator.current_accelerator()
+    # A CUDA build on a machine without a GPU still names CUDA: only a usable one counts.
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
     if accelerator is None:
+        # A backend that also serves the CPU, on a machine without an accelerator (torch's
+        # threaded test process group, say): the data's CPU.
+        if "cpu" in dist.Backend.backend_capability.get(str(dist.get_backend(group)), ()):
+            return like
         raise ValueError(f"group {group.group_name!r} has no CPU backend and no device was found")
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def _local_header(
-    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int, fingerprint: int
-) -> tuple[list[int], list[list[int]]]:
-    """``(header, grid rows)``; a bad input sets a status code and sends no rows."""
-    dtype_code = DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1
-    numel = row_numel(pixel_values) if pixel_values.dim() >= 1 else 0
-    status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw, merge_size, dtype_code)
-    grad = int(pixel_values.requires_grad)
-    header = [status, arg0, arg1, len(rows), numel, dtype_code, fingerprint, grad]
-    return header, rows
-
-
-def _check_grid(pixel_values, grid_thw, merge_size, dtype_code):
+def _static_status(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[int, int, int]:
+    """The checks shapes and dtypes decide: ``(status, arg0, arg1)``, status 0 when they pass."""
     if pixel_values.dim() < 2:
-        return 1, pixel_values.dim(), 0, []
-    if dtype_code < 0:
-        return 2, 0, 0, []
+        return 1, pixel_values.dim(), 0
+    if pixel_values.dtype not in DTYPES:
+        return 2, 0, 0
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
-        return 3, grid_thw.dim(), grid_thw.shape[-1] if grid_thw.dim() else 0, []
+        return 3, grid_thw.dim(), grid_thw.shape[-1] if grid_thw.dim() else 0
     if grid_thw.dtype.is_floating_point or grid_thw.dtype == torch.bool:
-        return 4, 0, 0, []
-    rows = grid_thw.tolist()
+        return 4, 0, 0
+    return 0, 0, 0
+
+
+def _check_grid(pixel_values, rows, merge_size):
+    """The checks of the grid's values, on the host: ``(status, arg0, arg1, rows to send)``."""
     for i, (t, h, w) in enumerate(rows):
         if min(t, h, w) <= 0:
             return 5, i, min(t, h, w), []
@@ -251,6 +354,37 @@ def _check_grid(pixel_values, grid_thw, merge_size, dtype_code):
     return 0, 0, 0, rows
 
 
+def _device_header(pixel_values, grid_thw, merge_size, fields) -> torch.Tensor:
+    """``_check_grid``'s status and the inline rows computed where the grid lives, joined with
+    ``fields`` (host values, copied without waiting): the header with no host read."""
+    grid = grid_thw.to(torch.int64)
+    n, rows = grid.shape[0], pixel_values.shape[0]
+    # A last row that passes every check: the first bad row's index is n when none is bad.
+    padded = torch.cat([grid, grid.new_full((1, 3), merge_size)])
+    nonpositive = (padded <= 0).any(1)
+    bad = nonpositive | (padded[:, 1:] % merge_size != 0).any(1)
+    first = torch.where(bad, torch.arange(n + 1, device=grid.device), n).min()
+    total = grid.prod(1).sum()
+    any_bad, first_nonpositive = first < n, nonpositive[first]
+    status = torch.where(
+        any_bad, torch.where(first_nonpositive, 5, 6), torch.where(total != rows, 7, 0)
+    )
+    arg0 = torch.where(any_bad, first, rows)
+    arg1 = torch.where(
+        any_bad, torch.where(first_nonpositive, padded[first].min(), merge_size), total
+    )
+    inline = grid.new_zeros(INLINE_GRID_ROWS, 3)
+    inline[: min(n, INLINE_GRID_ROWS)] = grid[:INLINE_GRID_ROWS]
+    inline = inline * (status == 0)  # a bad grid sends no rows
+    host = transfer.to_device(torch.tensor(fields, dtype=torch.int64), grid.device)
+    return torch.cat([torch.stack([status, arg0, arg1]).to(torch.int64), host, inline.flatten()])
+
+
+def describe_problem(code: int) -> str:
+    """The message of a ``PROBLEMS`` code."""
+    return _describe(code, 0, 0)
+
+
 def _describe(status: int, arg0: int, arg1: int) -> str:
     return {
         1: f"pixel_values must have >= 2 dims (rows, features), got {arg0}",
@@ -260,6 +394,21 @@ def _describe(status: int, arg0: int, arg1: int) -> str:
         5: f"image_grid_thw row {arg0} has a non-positive size ({arg1})",
         6: f"image_grid_thw row {arg0}: h and w must be multiples of the merge size {arg1}",
         7: f"pixel_values has {arg0} rows but image_grid_thw sums to {arg1} (t*h*w)",
+        PROBLEMS["mm_encoder_outputs"]: (
+            "mm_encoder_outputs was passed to a model whose vision tower is balanced"
+        ),
+        PROBLEMS["hidden_states"]: (
+            "a balanced vision tower returns no hidden states or attentions "
+            "(output_hidden_states / output_attentions)"
+        ),
+        PROBLEMS["compiled_without_pixels"]: (
+            "a compiled call got pixel_values=None and the ViT's pixel row width is not known "
+            "when the graph is traced; pass an empty [0, C] tensor of the pixels' dtype, or "
+            "register the ViT with register_vision_encoder(..., pixel_width=C)"
+        ),
+        PROBLEMS["modalities_differ"]: (
+            "image and video pixels have different row widths, so one tower call cannot encode both"
+        ),
     }[status]
 
 
@@ -277,6 +426,15 @@ def _raise_on_bad_input(headers: list[list[int]]) -> None:
             "fx_vitbal.measured.reset() or restarted alone: reset every rank)"
         ]
         problems += [f"rank {r}: settings {h[_FINGERPRINT]:014x}" for r, h in enumerate(headers)]
+    if not problems and any(h[_GRAD] for h in headers):
+        problems = [
+            f"rank {r}: its pixels do not require gradients while another rank's do, and its "
+            "call is compiled (torch.compile fixes requires_grad in the graph, so it cannot join "
+            "the pixels' backward exchange); give every rank's pixel_values the same "
+            "requires_grad"
+            for r, h in enumerate(headers)
+            if h[_GRAD_FIXED] and not h[_GRAD]
+        ]
     if not problems:
         # A rank that passed None (a [0, 0] stand-in) receives rows in the others' layout.
         kinds = {(h[_DTYPE], h[_ROW_NUMEL]) for h in headers if h[_ROW_NUMEL]}

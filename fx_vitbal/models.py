@@ -492,4 +492,9 @@ def _architecture_cost(vit: QwenStyleViT) -> ArchitectureCost:
 
 
 # Attention, rotary positions and windows are all per frame, so frames may be split across ranks.
-register_vision_encoder(QwenStyleViT, frame_independent=True, cost_model=_architecture_cost)
+register_vision_encoder(
+    QwenStyleViT,
+    frame_independent=True,
+    cost_model=_architecture_cost,
+    pixel_width=lambda vit: vit.config.in_dim,
+)

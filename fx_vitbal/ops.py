@@ -21,11 +21,13 @@ Conventions (each one fixes a failure seen on torch 2.13):
 """
 
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from fx_vitbal import status, transfer
 from fx_vitbal.exchange import (
     Routing,
     as_blocks,
@@ -39,7 +41,17 @@ from fx_vitbal.exchange import (
     with_dummy,
 )
 from fx_vitbal.measured import measurements_for, publish
-from fx_vitbal.metadata import check_output_layouts, gather_grids, row_numel, settings_fingerprint
+from fx_vitbal.metadata import (
+    DTYPES,
+    agree_layouts,
+    check_output_layouts,
+    gather_grids,
+    layout_key,
+    layouts_agreed,
+    output_layout,
+    row_numel,
+    settings_fingerprint,
+)
 from fx_vitbal.planner import Plan
 
 
@@ -57,6 +69,9 @@ def plan(
     world_size: int,
     group_name: str,
     active: bool = True,
+    module_key: int = 0,
+    problem: int = 0,
+    grad_fixed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``.
 
@@ -65,6 +80,10 @@ def plan(
     ``exchange.planner_spec(config, cost_model)``; its fingerprint rides in the metadata, so
     ranks with different settings all raise. ``active=False`` (balancing off for this call,
     e.g. eval mode) gathers nothing: the local batch stays home and no collective runs in any op.
+    ``module_key`` names the ViT for its agreed output layouts (``metadata.layout_key``; 0 in
+    compiled graphs); ``problem`` is a ``metadata.PROBLEMS`` code the caller found, raised on
+    every rank; ``grad_fixed``: this call is compiled, so its pixels' ``requires_grad`` cannot
+    follow the other ranks'.
     """
     group = resolve_group(group_name)
     if dist.get_world_size(group) != world_size:
@@ -73,13 +92,16 @@ def plan(
             "ranks"
         )
     if not active:
-        rank = dist.get_rank(group)
         units = max_units(pixel_values.shape[0], merge_size)
-        routing = local_only_routing(grid_thw.tolist(), rank, world_size, merge_size)
-        rows = grid_thw.tolist() or [[1, merge_size, merge_size]]
-        grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device)
-        return grid, routing.to_tensor(units)
-    grid, routing, _ = solve_for_rank(pixel_values, grid_thw, merge_size, planner, group)
+        routing = local_only_routing(grid_thw.shape[0], world_size, merge_size)
+        if grid_thw.shape[0]:
+            return grid_thw.clone(), routing.to_tensor(units)
+        dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
+        return transfer.to_device(dummy, grid_thw.device), routing.to_tensor(units)
+    status.check(group_name)  # a step whose backward never ran: its outputs' verdict first
+    grid, routing, _ = solve_for_rank(
+        pixel_values, grid_thw, merge_size, planner, group, module_key, problem, grad_fixed
+    )
     return grid, routing
 
 
@@ -89,6 +111,9 @@ def solve_for_rank(
     merge_size: int,
     planner: str,
     group: dist.ProcessGroup,
+    module_key: int = 0,
+    problem: int = 0,
+    grad_fixed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
     gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``."""
@@ -99,35 +124,64 @@ def solve_for_rank(
     state = measurements_for(group.group_name, planner)
     fingerprint = settings_fingerprint(planner, merge_size, world_size, state.calls())
     report = state.report()
-    gathered = gather_grids(pixel_values, grid_thw, merge_size, group, fingerprint, report)
+    dtype_code = DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1
+    key = layout_key(module_key, dtype_code, pixel_values.device.type)
+    ranks = group_ranks(group)
+    gathered = gather_grids(
+        pixel_values,
+        grid_thw,
+        merge_size,
+        group,
+        fingerprint,
+        report,
+        problem=problem,
+        grad_fixed=grad_fixed,
+        new_layout=layouts_agreed(ranks, key) is None,
+    )
     measured = state.observe(gathered.reports_R)
     exchange_model = state.exchange_model(
         gathered.row_numel, gathered.dtype_code, gathered.pixels_need_grad
     )
-    solved, units_R = plan_units(
+    solved, units_R, note = plan_units(
         gathered.grids_R,
         rank,
         planner,
         cost_model=state.cost_model(),
         exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
     )
-    clock = state.begin(solved, units_R, merge_size, pixel_values.device)
+    call_id = next(_CALL_IDS)
+    step, clock = state.begin(solved, units_R, merge_size)
     routing = dataclasses.replace(
         local_routing(solved, units_R, rank, merge_size),
         any_units=any(units_R),
         row_numel=gathered.row_numel,
         dtype_code=gathered.dtype_code,
         pixels_need_grad=gathered.pixels_need_grad,
+        step=call_id,
+        layout_key=key,
+        check_layouts=gathered.check_layouts,
     )
     rows = balanced_grid(solved, units_R, rank, merge_size)
-    if not solved.applied:  # the original batch, plus the dummy unit if it is empty
-        rows = grid_thw.tolist() or rows
-    grid = torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device)
-    units = max_units(pixel_values.shape[0], merge_size)
-    routing = routing.to_tensor(units)
-    routing._vitbal_clock = clock  # the step's moves and ViT call find their clock here
-    publish(lambda: state.stats(clock, rank, solved, units_R, measured, exchange_model))
+    if not solved.applied:  # the original batch (as gathered: no device read), or the dummy
+        rows = gathered.grids_R[rank] or rows
+    grid = transfer.to_device(torch.tensor(rows, dtype=grid_thw.dtype), grid_thw.device)
+    routing = routing.to_tensor(max_units(pixel_values.shape[0], merge_size))
+    routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
+    state.defer(
+        call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model)
+    )
+    if not solved.applied:  # nothing moves: the gather was the call's last collective
+        publish(call_id)
     return grid, routing, solved
+
+
+# Ids of the calls planned in this process, for their status words and deferred reports.
+_CALL_IDS = itertools.count(1)
+
+
+def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """The global ranks of ``group``, in group order (what its agreed layouts are kept by)."""
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def max_units(pixel_rows: int, merge_size: int) -> int:
@@ -136,7 +190,18 @@ def max_units(pixel_rows: int, merge_size: int) -> int:
 
 
 @plan.register_fake
-def _(pixel_values, grid_thw, merge_size, planner, world_size, group_name, active=True):
+def _(
+    pixel_values,
+    grid_thw,
+    merge_size,
+    planner,
+    world_size,
+    group_name,
+    active=True,
+    module_key=0,
+    problem=0,
+    grad_fixed=False,
+):
     ctx = torch.library.get_ctx()
     grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit
     size = routing_size(max_units(pixel_values.shape[0], merge_size), world_size)
@@ -152,6 +217,7 @@ def redistribute(
     block_rows: list[int],
     out_rows: list[int] | None,
     group_name: str,
+    check_status: bool = False,
 ) -> list[torch.Tensor]:
     """Send each local unit's rows to the rank computing it; returns the balanced tensors.
 
@@ -159,13 +225,30 @@ def redistribute(
     many rows of ``xs[i]`` make one block (``merge_area`` for pixels and pre-merger outputs, 1 for
     merged outputs). ``out_rows`` (each result's rows) is only known in backward graphs (the
     forward's input rows); otherwise the result has a fresh data-dependent size of at least one
-    block (every rank computes at least the dummy unit).
+    block (every rank computes at least the dummy unit). ``check_status`` (``restore``'s
+    backward): first read the status words of the outputs' exchange (``fx_vitbal.status``), so
+    an unsound output raises on every rank before its gradients move.
     """
-    return _move(xs, routing, merge_area, block_rows, False, group_name)
+    route = Routing.of(routing)
+    if check_status:
+        status.check(group_name, route.step)
+    blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
+    if route.applied:
+        clock = getattr(routing, "_vitbal_clock", None)
+        timed = clock is not None and clock.timing_exchange(reverse=False)
+        start = clock.mark() if timed else None
+        blocks_xs, _ = exchange(blocks_xs, route, merge_area, False, resolve_group(group_name))
+        if timed:  # --- the pixels' exchange, timed (fx_vitbal.timing)
+            moved = _crossing_bytes(xs, block_rows, merge_area, route, group_name)
+            clock.add_exchange(start, clock.mark(), moved)
+    else:  # every rank agrees (the plan is global): nothing to send anywhere
+        blocks_xs = [x.clone() for x in blocks_xs]
+    blocks_xs = with_dummy(blocks_xs, route.dummy_rows // merge_area, add=True)
+    return [from_blocks(b, x, n) for b, x, n in zip(blocks_xs, xs, block_rows, strict=True)]
 
 
 @redistribute.register_fake
-def _(xs, routing, merge_area, block_rows, out_rows, group_name):
+def _(xs, routing, merge_area, block_rows, out_rows, group_name, check_status=False):
     if out_rows is not None:
         return [x.new_empty(n, *x.shape[1:]) for x, n in zip(xs, out_rows, strict=True)]
     # Forward: one fresh row count, not ``blocks * n``. A product would reach a ViT marked as a
@@ -189,22 +272,99 @@ def restore(
     out_rows: list[int],
     group_name: str,
     check_layouts: bool = True,
+    check_now: bool = False,
 ) -> list[torch.Tensor]:
     """Send computed rows back to each unit's home rank and original position.
 
     ``block_rows`` as in ``redistribute`` (``output_block_rows`` reads it from the ViT's outputs);
-    ``out_rows`` is each result's rows on the home rank (``home_rows``). Before
-    moving anything, every rank checks every rank's row layouts (one small gather), so a ViT
-    output of the wrong size raises the same ``ValueError`` everywhere instead of a hang.
-    ``redistribute``'s backward skips that check (``check_layouts=False``): autograd gives the
-    gradients the shapes and dtypes of ``redistribute``'s outputs, so on every rank they are the
-    rows the forward exchange already moved, in the layout it moved them.
+    ``out_rows`` is each result's rows on the home rank (``home_rows``).
+
+    A ViT output of the wrong size or layout on one rank must raise the same ``ValueError``
+    everywhere, never hang nor corrupt (``check_layouts``, the outputs' restore). On a call
+    whose layouts the ranks have not agreed on (``Routing.check_layouts``), one small gather
+    checks them first. Otherwise nothing waits: each rank compares its outputs with the agreed
+    layouts on the host, sends zeros of those sizes if they differ, and its status word rides
+    in the same exchange (``fx_vitbal.status``); the words are read in this op's backward, or at
+    its end with ``check_now`` (no backward will come). ``redistribute``'s backward passes
+    ``check_layouts=False``: autograd gives the gradients the shapes and dtypes of
+    ``redistribute``'s outputs, so on every rank they are the rows the forward exchange already
+    moved, in the layout it moved them.
     """
-    return _move(xs, routing, merge_area, block_rows, True, group_name, check_layouts)
+    route = Routing.of(routing)
+    blocks = (sum(route.recv_rows) + route.dummy_rows) // merge_area
+    dummy = route.dummy_rows // merge_area
+    if not route.applied:  # every rank agrees (the plan is global): nothing to send anywhere
+        blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
+        moved = [b.clone() for b in with_dummy(blocks_xs, dummy, add=False)]
+        return [from_blocks(b, x, n) for b, x, n in zip(moved, xs, block_rows, strict=True)]
+    group = resolve_group(group_name)
+    word, outputs, unsound = None, xs, False
+    if check_layouts:
+        ranks = group_ranks(group)
+        # A plan made ahead whose batch's grid differs on this rank (``fx_vitbal.ahead``): known
+        # on the host, or as a device flag that joins the status word without a read.
+        grid_differs = getattr(routing, "_vitbal_grid_differs", None)
+        if route.check_layouts:  # this call blocks anyway: the device flag is read too
+            mismatched = route.mismatched or (grid_differs is not None and bool(grid_differs))
+            agreed = check_output_layouts(xs, block_rows, blocks, group, mismatched)
+            agree_layouts(ranks, route.layout_key, agreed)
+        xs, word = _as_agreed(xs, block_rows, blocks, layouts_agreed(ranks, route.layout_key))
+        unsound = status.kind(word) != status.OK  # a host word: no read of the device
+        if route.mismatched:
+            word = status.word(status.NOT_AS_PLANNED)
+        elif grid_differs is not None:
+            bad = transfer.to_device(status.word(status.NOT_AS_PLANNED), grid_differs.device)
+            word = torch.where(grid_differs, bad, transfer.to_device(word, bad.device))
+        block_rows = [n for n, _, _ in layouts_agreed(ranks, route.layout_key)]
+    blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
+    blocks_xs = with_dummy(blocks_xs, dummy, add=False)
+    moved, words_R = exchange(blocks_xs, route, merge_area, True, group, word)
+    if words_R is not None:
+        status.expect(group_name, route.step, words_R)
+        clock = getattr(routing, "_vitbal_clock", None)
+        if clock is not None:
+            clock.output_bytes_per_row = _bytes_per_pixel_row(xs, block_rows, merge_area)
+        if check_now:
+            status.check(group_name, route.step)
+        publish(route.step)  # the step's last forward collective is done
+        if unsound:  # raised later, on every rank: zeros meanwhile
+            return [x.new_zeros(n, *x.shape[1:]) for x, n in zip(outputs, out_rows, strict=True)]
+    return [from_blocks(b, x, n) for b, x, n in zip(moved, xs, block_rows, strict=True)]
+
+
+def no_backward_will_come(outputs: list[torch.Tensor]) -> bool:
+    """No backward will read the status words of these ViT outputs' restore (gradients off,
+    or no output requires one): ``restore`` must read them itself (its ``check_now``)."""
+    return not (torch.is_grad_enabled() and any(o.requires_grad for o in outputs))
+
+
+def _as_agreed(xs, block_rows, blocks, agreed):
+    """``(tensors to send, status word)``: ``xs`` if they fit the ``agreed`` layouts (rows,
+    dtype, width per output) for ``blocks`` merge blocks, else zeros of those layouts and the
+    word naming the first misfit, so the exchange keeps every rank's sizes."""
+    word = status.word()
+    if len(xs) != len(agreed):
+        word = status.word(status.COUNT, value=len(xs))
+    else:
+        for i, (x, n, want) in enumerate(zip(xs, block_rows, agreed, strict=True)):
+            if x.shape[0] != blocks * want[0] or (n, *output_layout(x, n)[1:]) != want:
+                kind = status.LAYOUT if n and x.shape[0] == blocks * n else status.ROWS
+                word = status.word(kind, i, x.shape[0])
+                break
+    if status.kind(word) == status.OK:
+        return xs, word
+    like = xs[0]
+    zeros = [
+        torch.zeros(blocks * n, numel, dtype=DTYPES[dtype], device=like.device)
+        for n, dtype, numel in agreed
+    ]
+    return zeros, word
 
 
 @restore.register_fake
-def _(xs, routing, merge_area, block_rows, out_rows, group_name, check_layouts=True):
+def _(
+    xs, routing, merge_area, block_rows, out_rows, group_name, check_layouts=True, check_now=False
+):
     for rows, n in zip(out_rows, block_rows, strict=True):
         if n == merge_area:  # pre-merger rows: whole blocks, for parents that merge them
             torch._check(rows % merge_area == 0)
@@ -242,35 +402,6 @@ def output_block_rows(xs: list[torch.Tensor], pixel_rows: int, merge_area: int) 
     return layouts
 
 
-def _move(xs, routing, merge_area, block_rows, reverse, group_name, check_layouts=False):
-    if not xs or len(xs) != len(block_rows):
-        raise ValueError(f"vitbal moves need one block_rows entry per tensor, got {block_rows}")
-    route = Routing.of(routing)
-    group = resolve_group(group_name)
-    dummy = route.dummy_rows // merge_area
-    if check_layouts and route.applied:
-        blocks = (sum(route.recv_rows) + route.dummy_rows) // merge_area
-        check_output_layouts(xs, block_rows, blocks, group, route.mismatched)
-    blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
-    if reverse:
-        blocks_xs = with_dummy(blocks_xs, dummy, add=False)
-    if route.applied:
-        clock = getattr(routing, "_vitbal_clock", None)
-        timed = clock is not None and clock.timing_exchange(reverse)
-        start = clock.mark() if timed else None
-        blocks_xs = exchange(blocks_xs, route, merge_area, reverse, group)
-        if timed:  # --- a forward exchange of measured times (fx_vitbal.timing)
-            moved = _crossing_bytes(xs, block_rows, merge_area, route, group)
-            clock.add_exchange(start, clock.mark(), moved)
-            if reverse:
-                clock.output_bytes_per_row = _bytes_per_pixel_row(xs, block_rows, merge_area)
-    else:  # every rank agrees (the plan is global): nothing to send anywhere
-        blocks_xs = [x.clone() for x in blocks_xs]
-    if not reverse:
-        blocks_xs = with_dummy(blocks_xs, dummy, add=True)
-    return [from_blocks(b, x, n) for b, x, n in zip(blocks_xs, xs, block_rows, strict=True)]
-
-
 def _bytes_per_pixel_row(xs, block_rows, merge_area) -> int:
     """Bytes the tensors ``xs`` hold per pixel row (``block_rows`` rows per merge block)."""
     return sum(
@@ -279,9 +410,9 @@ def _bytes_per_pixel_row(xs, block_rows, merge_area) -> int:
     )
 
 
-def _crossing_bytes(xs, block_rows, merge_area, route: Routing, group) -> int:
+def _crossing_bytes(xs, block_rows, merge_area, route: Routing, group_name: str) -> int:
     """Bytes this rank sends to and receives from other ranks in one move of ``xs``."""
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(resolve_group(group_name))
     rows = sum(route.send_rows) + sum(route.recv_rows) - route.send_rows[rank]
     rows -= route.recv_rows[rank]
     return rows * _bytes_per_pixel_row(xs, block_rows, merge_area)
@@ -329,4 +460,4 @@ def _backward_by(reverse_op, *extra):
 
 
 redistribute.register_autograd(_backward_by(restore, False), setup_context=_setup_context)
-restore.register_autograd(_backward_by(redistribute), setup_context=_setup_context)
+restore.register_autograd(_backward_by(redistribute, True), setup_context=_setup_context)

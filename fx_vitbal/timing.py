@@ -1,24 +1,29 @@
 """This rank's clock of one balanced ViT call: ViT forward + backward time and the time of the
-forward exchanges, for the online cost model and the exchange model (``fx_vitbal.measured``).
+pixels' exchange, for the online cost model and the exchange model (``fx_vitbal.measured``).
+
+A clock exists only when something reads it (``cost_model="online"`` or a stats callback):
+without one, a balanced call installs no hook at all.
 
 Where the marks are taken (eager and in-place paths; ``encoder.run_balanced``):
 - ViT forward: right before and right after the ViT call, i.e. between ``redistribute`` and
-  ``restore`` (or around the local call when the plan moves nothing);
-- ViT backward: from the moment every ViT output has its gradient (after ``restore``'s backward
-  moved them in) to the moment every trainable ViT parameter (and the ViT's input, if it
-  requires gradients) has its gradient: a ``register_multi_grad_hook`` on the outputs per call,
-  and one kept on the parameters (``ParameterWatch``), so activation checkpointing's
-  recomputation is counted and the LM's backward is not;
-- exchanges: inside ``vitbal::redistribute`` and ``vitbal::restore`` in the forward, after
-  ``restore``'s layout gather, so a rank's wait for slower ranks (absorbed by that gather) is not
-  counted as communication. Backward exchanges are predicted from the forward ones (the same
-  rows move), not timed: nothing aligns the ranks before them.
+  ``restore`` (or around the local call when the plan moves nothing), on the device the ViT
+  runs on (the balanced pixels'), whatever device the plan was made on;
+- ViT backward: from the first gradient of a ViT output (after ``restore``'s backward moved
+  them in) to the last gradient of a trainable ViT parameter (or of the ViT's input, if it
+  requires one) in the same backward pass. Tensor hooks mark both, and a callback queued on
+  the autograd engine closes the span when that pass ends, so every entry point works alike
+  (``.backward()``, ``torch.autograd.grad`` with or without ``inputs=``, ``retain_graph``,
+  activation checkpointing): the parameters' hooks stay registered (``ParameterWatch``), one
+  per parameter, because hooking 400 parameters per call would cost milliseconds. A pass
+  that computes no ViT parameter gradient (``autograd.grad`` of something else) reports
+  nothing, and a retained graph's second pass is not timed again;
+- the pixels' exchange: inside ``vitbal::redistribute``, which follows the metadata gather
+  that aligns the ranks. The outputs' exchange follows the ViT, whose imbalance it would
+  absorb as waiting, so it is predicted from its bytes instead.
 
 On the CPU the marks are ``time.perf_counter_ns()``; on CUDA they are events recorded on the
 current stream, read only once both have completed (``Event.query()``, no sync): a step whose
 events have not completed when the next plan is made is reported later or not at all.
-A call whose backward never completes in order (its hooks are released when the next balanced
-call starts) is never reported: missing timings are 0 in the header and the fit skips them.
 """
 
 import time
@@ -33,11 +38,11 @@ PLANNED, FORWARD, FORWARD_DONE, BACKWARD, DONE = range(5)
 class StepClock:
     """The marks of one balanced ViT call on this rank (one per plan)."""
 
-    def __init__(self, step: int, device: torch.device, siblings=()) -> None:
+    def __init__(self, step: int, siblings=()) -> None:
         self.step = step
         self.siblings = siblings
         """The other calls' clocks of the same ViT: their hooks go when this call starts."""
-        self.cuda = device.type == "cuda"
+        self.cuda = False
         self.phase = PLANNED
         self.marks: dict[str, object] = {}
         self.exchanges: list[tuple[object, object]] = []
@@ -47,7 +52,6 @@ class StepClock:
         self._task = None
         self._handles: list = []
         self._watch: ParameterWatch | None = None
-        self._ends_left = 0
         self._without_backward = False
 
     def mark(self) -> object:
@@ -64,53 +68,57 @@ class StepClock:
             return None  # still running on the device: never wait for it
         return round(start.elapsed_time(end) * 1e6)
 
-    def forward_started(self) -> None:
+    def forward_started(self, device: torch.device) -> None:
         for other in list(self.siblings):
             if other is not self:
                 other.release()
+        self.cuda = device.type == "cuda"
         self.phase = FORWARD
         self.marks["forward"] = self.mark()
 
     def forward_ended(self, outputs, pixels, watch: "ParameterWatch | None") -> None:
-        """After the ViT call: ``outputs`` its tensors; its backward ends when ``watch`` (the
-        ViT's trainable parameters) fires and ``pixels`` has its gradient, if it needs one."""
+        """After the ViT call: ``outputs`` its tensors; its backward ends with the last
+        gradient ``watch`` (the ViT's trainable parameters) or ``pixels`` sees."""
         self.marks["forward_end"] = self.mark()
         self.phase = FORWARD_DONE
         grad_outputs = [o for o in outputs if o.requires_grad]
         if not grad_outputs or not torch.is_grad_enabled():
             self._without_backward = True  # the forward (and the restore after it) is the call
             return
-        ends = []
+        if watch is None and not pixels.requires_grad:
+            return  # its backward's end cannot be seen: never reported
         if watch is not None:
             watch.clock = self
-            ends.append(watch)
+            self._watch = watch
+        self._handles = [o.register_hook(self._backward_started) for o in grad_outputs]
         if pixels.requires_grad:
-            ends.append(pixels)
-        if not ends:
-            return  # its backward's end cannot be seen: never reported
-        self._ends_left = len(ends)
-        self._watch = watch
-        hooks = torch.autograd.graph.register_multi_grad_hook
-        self._handles = [hooks(grad_outputs, self._backward_started, mode="all")]
-        if pixels.requires_grad:
-            self._handles.append(pixels.register_hook(self.backward_ended))
+            self._handles.append(pixels.register_hook(self.gradient_reached))
 
-    def _backward_started(self, _grads) -> None:
-        if self.phase == FORWARD_DONE:
-            self.marks["backward"] = self.mark()
-            self._task = torch._C._current_graph_task_id()
-            self.phase = BACKWARD
+    def _backward_started(self, _grad) -> None:
+        if self.phase != FORWARD_DONE:
+            return
+        self.marks["backward"] = self.mark()
+        self._task = torch._C._current_graph_task_id()
+        self.phase = BACKWARD
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
-    def backward_ended(self, _grads=None) -> None:
-        """One of the ends of the ViT's backward was reached (see ``forward_ended``)."""
-        if self.phase == BACKWARD and torch._C._current_graph_task_id() == self._task:
-            self._ends_left -= 1
-            if not self._ends_left:
-                self.marks["backward_end"] = self.mark()
-                self.phase = DONE
+    def gradient_reached(self, _grad=None) -> None:
+        """A gradient the ViT's backward ends with was computed (see ``forward_ended``)."""
+        if self.phase != BACKWARD or torch._C._current_graph_task_id() != self._task:
+            return
+        if self.cuda:  # one event, recorded again at each gradient: no event per parameter
+            self.marks.setdefault("backward_end", torch.cuda.Event(enable_timing=True)).record()
+        else:
+            self.marks["backward_end"] = time.perf_counter_ns()
+
+    def _backward_finished(self) -> None:
+        if self.phase == BACKWARD:  # reported only if some end was reached in this pass
+            self.phase = DONE if "backward_end" in self.marks else FORWARD_DONE
+            self._without_backward = False
+        self.release()
 
     def release(self) -> None:
-        """Drop the backward hooks (called when the next balanced call starts)."""
+        """Drop the backward hooks (when the backward ends or the next balanced call starts)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -118,21 +126,19 @@ class StepClock:
             self._watch.clock = None
 
     def timing_exchange(self, reverse: bool) -> bool:
-        """Whether a move now is one of the forward exchanges this clock times: pixels out
-        before the ViT, outputs home after it (not the output gradients, which go out while
-        the phase is still ``FORWARD_DONE``)."""
-        return self.phase == (FORWARD_DONE if reverse else PLANNED)
+        """Whether a move now is the exchange this clock times: pixels out, before the ViT."""
+        return not reverse and self.phase == PLANNED
 
     def add_exchange(self, start: object, end: object, num_bytes: int) -> None:
         self.exchanges.append((start, end))
         self.exchange_bytes += num_bytes
 
     def totals_ns(self) -> tuple[int, int] | None:
-        """``(ViT forward + backward ns, forward exchanges ns)`` once complete, else None."""
+        """``(ViT forward + backward ns, pixels' exchange ns)`` once complete, else None."""
         if self.phase != DONE and not (self.phase == FORWARD_DONE and self._without_backward):
             return None
         spans = [("forward", "forward_end")]
-        if "backward" in self.marks:
+        if self.phase == DONE:
             spans.append(("backward", "backward_end"))
         vit = [self._elapsed_ns(self.marks[a], self.marks[b]) for a, b in spans]
         exchange = [self._elapsed_ns(a, b) for a, b in self.exchanges]
@@ -142,20 +148,22 @@ class StepClock:
 
 
 class ParameterWatch:
-    """One persistent ``register_multi_grad_hook`` over a module's trainable parameters, telling
-    the current clock when all of them have their gradients (the end of the module's backward).
-    Registered once per module and parameter set, not per call: hooking every parameter each
-    call would cost ~2.5 ms per call for 400 parameters."""
+    """Persistent tensor hooks on a module's trainable parameters, telling the current clock
+    each time one gets its gradient (the last one marks the end of the module's backward).
+    Registered once per module and parameter set, only once a clock needs them."""
 
     def __init__(self, params: tuple[torch.Tensor, ...]) -> None:
         self.params = params
         self.clock: StepClock | None = None
-        hooks = torch.autograd.graph.register_multi_grad_hook
-        self.handle = hooks(params, self._all_done, mode="all")
+        self.handles = [p.register_hook(self._reached) for p in params]
 
-    def _all_done(self, _grads) -> None:
+    def _reached(self, _grad) -> None:
         if self.clock is not None:
-            self.clock.backward_ended()
+            self.clock.gradient_reached()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 _WATCHES: "weakref.WeakKeyDictionary[torch.nn.Module, ParameterWatch]" = (
@@ -173,7 +181,7 @@ def watch_parameters(module: torch.nn.Module | None) -> ParameterWatch | None:
         len(watch.params) != len(params)
         or any(a is not b for a, b in zip(watch.params, params, strict=True))
     ):
-        watch.handle.remove()
+        watch.remove()
         watch = None
     if watch is None and params:
         watch = _WATCHES[module] = ParameterWatch(params)

@@ -29,7 +29,7 @@ import torch
 from torch import fx, nn
 
 from fx_vitbal.encoder import is_vision_encoder_class
-from fx_vitbal.ops import home_rows, output_block_rows
+from fx_vitbal.ops import home_rows, no_backward_will_come, output_block_rows
 
 _PLAN = torch.ops.vitbal.plan.default
 _REDISTRIBUTE = torch.ops.vitbal.redistribute.default
@@ -46,11 +46,13 @@ def insert_plan_and_redistribute(
     world_size: int,
     group_name: str,
     active: fx.Node | bool,
+    layout_token: fx.Node | int,
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Add ``plan`` and ``redistribute`` at the insertion point; return the balanced pixels,
     the balanced grid and the routing (shared by both kinds of ViT call). ``active`` (balancing
-    on for this call) is a node when the graph decides it as it runs."""
-    args = (pixels, grid, merge, planner, world_size, group_name, active)
+    on for this call) is a node when the graph decides it as it runs; ``layout_token`` names the
+    ViT for its agreed output layouts (``encoder.layout_token``)."""
+    args = (pixels, grid, merge, planner, world_size, group_name, active, layout_token)
     plan = graph.call_function(_PLAN, args)
     grid_b = graph.call_function(operator.getitem, (plan, 0))
     routing = graph.call_function(operator.getitem, (plan, 1))
@@ -80,13 +82,14 @@ def rewrite_subgraph_call(
     planner: str,
     merge: int,
     active: bool,
+    layout_token: int,
     group_name: str,
     world_size: int,
 ) -> None:
     """Insert plan -> redistribute before ``node`` and restore after it (see module doc).
 
     ``active`` is decided when the backend compiles: dynamo guards the ViT's training flag, so
-    toggling it compiles another graph.
+    toggling it compiles another graph. ``layout_token``: the ViT's (``encoder.layout_token``).
 
     Raises:
         ValueError: operands or outputs the rewrite cannot place (see module doc).
@@ -106,7 +109,7 @@ def rewrite_subgraph_call(
             )
     with graph.inserting_before(node):
         pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph, pixels, grid, merge, planner, world_size, group_name, active
+            graph, pixels, grid, merge, planner, world_size, group_name, active, layout_token
         )
         sizes = {
             _symbol(pixels): graph.call_function(_SYM_SIZE, (pixels_b, 0)),
@@ -123,12 +126,15 @@ def rewrite_subgraph_call(
         rows = graph.call_function(
             home_rows, (layouts, graph.call_function(_SYM_SIZE, (pixels, 0)), area)
         )
+        check_now = graph.call_function(no_backward_will_come, (outputs,))
         restored = graph.call_function(
-            _RESTORE, (outputs, routing, area, layouts, rows, group_name)
+            _RESTORE, (outputs, routing, area, layouts, rows, group_name, True, check_now)
         )
         items = [graph.call_function(operator.getitem, (restored, i)) for i in range(len(outputs))]
     for out, item in zip(outputs, items, strict=True):
-        out.replace_all_uses_with(item, delete_user_cb=lambda user: user is not restored)
+        out.replace_all_uses_with(
+            item, delete_user_cb=lambda user: user not in (restored, check_now)
+        )
 
 
 def _is_vit_region(subgraph: nn.Module) -> bool:

@@ -23,11 +23,12 @@ from fx_vitbal.encoder import (
     group_name_and_size,
     in_balancing_mode,
     is_balanced_in_place,
+    layout_token,
     planner_for,
     regenerate_window_index,
     unwrap_module,
 )
-from fx_vitbal.ops import home_rows, output_block_rows
+from fx_vitbal.ops import home_rows, no_backward_will_come, output_block_rows
 from fx_vitbal.passes.subgraph import (
     insert_plan_and_redistribute,
     rewrite_subgraph_call,
@@ -87,13 +88,16 @@ def apply_vit_balance_pass(
     After (``area = merge**2``)::
 
         active = in_balancing_mode(visual, when)  # the ViT trains, or when == "always"
+        token = layout_token(visual)  # names the ViT for its agreed output layouts
         grid_b, routing = vitbal.plan(pixel_values, image_grid_thw, merge, planner, world, group,
-                                      active)
+                                      active, token)
         pixels_b = vitbal.redistribute([pixel_values], routing, area, [area], None, group)[0]
         vis = visual(pixels_b, grid_b)
         layouts = output_block_rows([vis[0], vis[2][0]], pixels_b.size(0), area)
         rows = home_rows(layouts, pixel_values.size(0), area)  # each output's rows at home
-        embeds, deep0 = vitbal.restore([vis[0], vis[2][0]], routing, area, layouts, rows, group)
+        check_now = no_backward_will_come([vis[0], vis[2][0]])  # restore reads its status
+        embeds, deep0 = vitbal.restore([vis[0], vis[2][0]], routing, area, layouts, rows, group,
+                                       True, check_now)
         window = regenerate_window_index(visual, image_grid_thw)
 
     Only the deepstack items the graph reads are moved back; ``layouts`` reads each output's row
@@ -144,7 +148,7 @@ def apply_vit_balance_pass(
         planner, merge = planner_for(vit, config)
         active = in_balancing_mode(vit, config.when)
         for node in regions:
-            rewrite_subgraph_call(gm, node, planner, merge, active, *dist_info)
+            rewrite_subgraph_call(gm, node, planner, merge, active, layout_token(vit), *dist_info)
     if calls or regions:
         gm.graph.lint()
         gm.recompile()
@@ -179,9 +183,11 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size) -> 
     pixels, grid = bound.arguments[pixels_name], bound.arguments[grid_name]
     with graph.inserting_before(node):
         # Decided as the graph runs: in eval mode (unless when="always") nothing is collective.
-        active = graph.call_function(in_balancing_mode, (graph.get_attr(node.target), when))
+        vit = graph.get_attr(node.target)
+        active = graph.call_function(in_balancing_mode, (vit, when))
+        token = graph.call_function(layout_token, (vit,))
         pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph, pixels, grid, merge, planner, world_size, group_name, active
+            graph, pixels, grid, merge, planner, world_size, group_name, active, token
         )
     bound.arguments[pixels_name] = pixels_b
     bound.arguments[grid_name] = grid_b
@@ -199,7 +205,10 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size) -> 
         rows = graph.call_function(
             home_rows, (layouts, graph.call_method("size", (pixels, 0)), area)
         )
-        restored = graph.call_function(_RESTORE, (items, routing, area, layouts, rows, group_name))
+        check_now = graph.call_function(no_backward_will_come, (items,))
+        restored = graph.call_function(
+            _RESTORE, (items, routing, area, layouts, rows, group_name, True, check_now)
+        )
         new = {
             key: graph.call_function(operator.getitem, (restored, i))
             for i, key in enumerate([(0,), *deep_keys])

@@ -69,16 +69,44 @@ def record_moves():
     original = fx_vitbal.ops.exchange
     moves = []
 
-    def recording(xs, routing, shrink, reverse, group):
+    def recording(xs, routing, shrink, reverse, group, *args):
         rank = dist.get_rank(group)
         moves.append(sum(d != rank for d in routing.dest))
-        return original(xs, routing, shrink, reverse, group)
+        return original(xs, routing, shrink, reverse, group, *args)
 
     fx_vitbal.ops.exchange = recording
     try:
         yield moves
     finally:
         fx_vitbal.ops.exchange = original
+
+
+@contextlib.contextmanager
+def record_collectives():
+    """Record every collective the library issues (its ``fx_vitbal.collectives`` seam), as
+    ``(phase, name, input elements of a gather or input rows of an exchange, output splits)``;
+    phase is ``forward`` or ``backward`` (inside the autograd engine)."""
+    from fx_vitbal import collectives
+
+    original = (collectives.all_gather, collectives.all_to_all)
+    record = []
+
+    def phase() -> str:
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+    def gather(output, input, group):
+        record.append((phase(), "all_gather", input.numel(), None))
+        original[0](output, input, group)
+
+    def exchange(output, input, output_splits, input_splits, group):
+        record.append((phase(), "all_to_all", input.shape[0], tuple(output_splits)))
+        original[1](output, input, output_splits, input_splits, group)
+
+    collectives.all_gather, collectives.all_to_all = gather, exchange
+    try:
+        yield record
+    finally:
+        collectives.all_gather, collectives.all_to_all = original
 
 
 def assert_units_moved(results) -> None:

@@ -285,31 +285,45 @@ class _BrokenOnRank1(SeedViT):
         return embeds, window_index, deepstack
 
 
-def _bad_outputs(rank: int, world: int) -> list[str]:
+def _bad_outputs(rank: int, world: int) -> list[tuple[str, str]]:
     torch.manual_seed(0)
     vit = _BrokenOnRank1().double()
     _, pixels, grid = _inputs(rank, "seed_premerger")
     messages = []
-    # Faults before the group's first good restore and after it alike.
-    for fault in ("rows", "layouts", "", "rows", "layouts", ""):
+    # Before the group's first good restore, a blocking check raises in the call. After it the
+    # outputs' status words ride in their exchange and raise where reading them costs nothing:
+    # in the backward, or in the call itself when no backward will come (no_grad).
+    steps = [("rows", True), ("layouts", True), ("", True), ("rows", True), ("layouts", True)]
+    steps += [("", True), ("rows", False), ("layouts", False)]
+    for fault, grad in steps:
         vit.fault = fault
-        if not fault:  # every rank is still in lockstep: a good step works
-            embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
-            torch.testing.assert_close(embeds, vit(pixels, grid)[0], rtol=0, atol=0)
-            continue
-        with pytest.raises(ValueError) as info:
-            fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
-        messages.append(str(info.value))
+        with torch.set_grad_enabled(grad):
+            if not fault:  # every rank is still in lockstep: a good step works
+                embeds, _, deep = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+                (embeds.sum() + deep[0].sum()).backward()
+                torch.testing.assert_close(embeds, vit(pixels, grid)[0], rtol=0, atol=0)
+                continue
+            where = "call"
+            with pytest.raises(ValueError) as info:
+                embeds, _, deep = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+                where = "backward"
+                (embeds.sum() + deep[0].sum()).backward()
+        messages.append((where, str(info.value)))
     return messages
 
 
 def test_a_vit_output_of_the_wrong_size_on_one_rank_raises_the_same_error_on_every_rank():
     messages = run_ranks(_bad_outputs, 3)
     assert messages[0] == messages[1] == messages[2]
-    assert messages[0][:2] == messages[0][2:]
-    rows, layouts = messages[0][:2]
-    assert "rank 1: ViT output 0 has" in rows and "rank 0" not in rows
-    assert "expected t*h*w (pre-merger) or t*h*w/merge**2 (merged) rows" in rows
+    assert [where for where, _ in messages[0]] == ["call", "call"] + ["backward"] * 2 + ["call"] * 2
+    rows, layouts, rows_later, layouts_later, rows_no_grad, layouts_no_grad = (
+        message for _, message in messages[0]
+    )
+    for message in (rows, rows_later, rows_no_grad):
+        assert "rank 1: ViT output 0 has" in message and "rank 0" not in message
+        assert "expected t*h*w (pre-merger) or t*h*w/merge**2 (merged) rows" in message
+    for message in (layouts_later, layouts_no_grad):
+        assert "rank 1: ViT output 0 changed its layout" in message and "rank 0" not in message
     assert "ranks disagree on the ViT's outputs" in layouts
     assert "rank 0: outputs (layout, dtype, row width) [('pre-merger'" in layouts
     assert "rank 1: outputs (layout, dtype, row width) [('merged'" in layouts

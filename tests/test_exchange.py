@@ -150,7 +150,7 @@ def _random_round_trips(rank: int, world: int) -> int:
         ]
         x = torch.cat(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)
         extra = x[:, :2].float() * 3  # a second dtype rides in its own exchange
-        there, there_extra = exchange([x, extra], routing, 1, False, dist.group.WORLD)
+        (there, there_extra), _ = exchange([x, extra], routing, 1, False, dist.group.WORLD)
         expected = [
             [src, idx, r]
             for src, idx in plan.assignment[rank]
@@ -158,7 +158,7 @@ def _random_round_trips(rank: int, world: int) -> int:
         ]
         assert there[:, :3].tolist() == expected
         assert torch.equal(there_extra, there[:, :2].float() * 3)
-        back, back_extra = exchange([there, there_extra], routing, 1, True, dist.group.WORLD)
+        (back, back_extra), _ = exchange([there, there_extra], routing, 1, True, dist.group.WORLD)
         assert torch.equal(back, x) and torch.equal(back_extra, extra)
         checked += int(Routing.from_tensor(routing.to_tensor(len(routing.dest) + 2)) == routing)
     return checked

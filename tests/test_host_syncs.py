@@ -1,77 +1,70 @@
 """Collectives and host reads per step, and where metadata is gathered for each backend."""
 
-import sys
 import types
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks, train_step
+from accelerator_sim import on_accelerator, simulated_accelerator
+from dist_utils import run_ranks
 
 import fx_vitbal
-from fx_vitbal import _compat
 from fx_vitbal.metadata import meta_device
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
+from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 
 GRIDS = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]]]  # skewed: the plan is applied
 
 
-def _count_step(rank: int, world: int) -> list[dict]:
+def _steps(rank: int, world: int, path: str) -> list[dict]:
+    """Four training steps of ``path`` on the simulated accelerator; what each one cost."""
     torch.manual_seed(0)
-    model = fx_vitbal.enable_vit_balance(
-        OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
-    )
-    counts = {"all_gather_single": 0, "all_to_all_single": 0, "tolist": 0, "item": 0}
-
-    def counting(name, original):
-        def wrapper(*args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if "fx_vitbal" in caller and "models.py" not in caller:  # the library, not the ViT
-                counts[name] += 1
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    patched = [(_compat, "all_gather_single"), (dist, "all_to_all_single")]
-    patched += [(torch.Tensor, "tolist"), (torch.Tensor, "item")]
-    originals = [getattr(owner, name) for owner, name in patched]
+    model = OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
+    group = dist.new_group(backend="gloo") if path == "ahead" else None
+    if path == "fx":
+        model = apply_vit_balance_pass(symbolic_trace(model))
+    elif path != "eager":
+        model = fx_vitbal.enable_vit_balance(model)
+    vit = model.visual
     per_step = []
-    try:
-        for owner, name in patched:
-            setattr(owner, name, counting(name, getattr(owner, name)))
-        for _ in range(2):
-            train_step(model, GRIDS[rank], rank, reduce_grads=False)
-            per_step.append(dict(counts))
-            counts.update(dict.fromkeys(counts, 0))
+    for step in range(4):
         input_ids, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank)
-        model(input_ids, pixels.requires_grad_(True), grid).pow(2).mean().backward()
-        per_step.append(dict(counts))
-    finally:
-        for (owner, name), original in zip(patched, originals, strict=True):
-            setattr(owner, name, original)
+        pixels.requires_grad_(step == 3)  # the last step also sends pixel gradients home
+        pixels, grid = on_accelerator(pixels), on_accelerator(grid)
+        if path == "ahead":
+            fx_vitbal.use_plan(model, fx_vitbal.plan_ahead(vit, pixels, grid, group=group))
+        with simulated_accelerator() as record:
+            if path == "eager":  # the bare ViT through the functional wrapper
+                embeds, _, deep = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+                (embeds.pow(2).mean() + deep[0].sum()).backward()
+            else:
+                model(input_ids, pixels, grid).pow(2).mean().backward()
+        per_step.append(record)
     return per_step
 
 
-def test_one_metadata_gather_and_four_host_reads_per_step():
-    for *steps, pixel_grad_step in run_ranks(_count_step, 2):
-        for counts in steps:
-            # Gathers: the plan's metadata (grids inline) and the restore's output-layout check.
-            # Exchanges: pixels out, outputs home, output gradients out in backward.
-            # Host reads of small CPU tensors: the local grid, the gathered metadata, the
-            # gathered layouts, the routing (parsed once for all four moves).
-            assert counts == {
-                "all_gather_single": 2,
-                "all_to_all_single": 3,
-                "tolist": 4,
-                "item": 0,
-            }
-        # Pixel gradients go home in a fourth exchange, without a second layout check.
-        assert pixel_grad_step == {
-            "all_gather_single": 2,
-            "all_to_all_single": 4,
-            "tolist": 4,
-            "item": 0,
-        }
+@pytest.mark.parametrize("path", ["eager", "in_place", "fx", "ahead"])
+def test_a_step_reads_the_device_once_and_issues_three_plus_two_collectives(path):
+    for rank, steps in enumerate(run_ranks(_steps, 2, path)):
+        for step, record in enumerate(steps):
+            phases = Counter(phase for phase, _ in record["collectives"])
+            # The first step also agrees on the ViT's output layouts (one blocking gather).
+            expected_reads = 0 if path == "ahead" else 1
+            forward = (2 if path == "ahead" else 3) + (step == 0)
+            backward = 2 if step == 3 else 1  # pixel gradients home when they are wanted
+            context = f"{path} rank {rank} step {step}: {record}"
+            if step == 0:  # + the layouts gathered; planned ahead, + the grid check's verdict
+                assert len(record["reads"]) == 2, context
+            else:  # steady state: the gathered metadata is the one read (none planned ahead)
+                assert len(record["reads"]) == expected_reads, context
+                assert all(r.startswith("metadata.py:") for r in record["reads"]), context
+            assert phases == {"forward": forward, "backward": backward}, context
+            forward_names = [name for phase, name in record["collectives"] if phase == "forward"]
+            # metadata (not when planned ahead), pixels out, (layouts, once), outputs home
+            expected = (["all_gather"] if path != "ahead" else []) + ["all_to_all"]
+            expected += (["all_gather"] if step == 0 else []) + ["all_to_all"]
+            assert forward_names == expected, context
 
 
 def test_metadata_device_follows_the_backend_the_data_and_the_bound_device(monkeypatch):
@@ -91,3 +84,5 @@ def test_metadata_device_follows_the_backend_the_data_and_the_bound_device(monke
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: None)
     with pytest.raises(ValueError, match="no CPU backend and no device"):
         meta_device(group, torch.device("cpu"))
+    monkeypatch.setitem(dist.Backend.backend_capability, "custom", ["cpu", "cuda"])
+    assert meta_device(group, torch.device("cpu")) == torch.device("cpu")  # it serves the CPU

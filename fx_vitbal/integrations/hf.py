@@ -38,8 +38,14 @@ from torch import nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, choose_cost_model
-from fx_vitbal.encoder import balancing_active, group_name_and_size, run_balanced
+from fx_vitbal.encoder import (
+    balancing_active,
+    group_name_and_size,
+    layout_token,
+    run_balanced,
+)
 from fx_vitbal.exchange import planner_spec
+from fx_vitbal.metadata import PROBLEMS, describe_problem
 
 # Popped by transformers.vision_utils helpers; they describe the pre-balance packed batch.
 PRECOMPUTED_KWARGS = (
@@ -157,6 +163,7 @@ def enable_hf_vit_balance(
     rule = tower_rule(tower)
     cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture_cost(tower))
     tower._vitbal_hf = _Balance(config, group, planner_spec(config, cost_model), rule)
+    layout_token(tower)  # made now, so graphs traced later read it as a constant
     original = getattr(tower, "_vitbal_original_forward", tower.forward)
     tower._vitbal_original_forward = original
     tower.forward = functools.partial(_balanced_forward, tower, original)
@@ -211,14 +218,16 @@ def architecture_cost(tower: nn.Module) -> ArchitectureCost:
     )
 
 
-def _balanced_forward(tower, original, hidden_states, grid_thw, **kwargs):
+def _balanced_forward(tower, original, hidden_states, grid_thw, vitbal_problem=0, **kwargs):
     config, group, planner, _ = tower._vitbal_hf
     dist_info = group_name_and_size(group)
     if not (dist_info is not None and balancing_active(tower, config)):
         return original(hidden_states, grid_thw=grid_thw, **kwargs)
+    # Problems found here raise on every rank, through the plan (never here, alone).
+    problem = vitbal_problem
     for flag in ("output_hidden_states", "output_attentions"):
         if kwargs.pop(flag, None):
-            raise ValueError(f"a balanced vision tower does not support {flag}=True")
+            problem = problem or PROBLEMS["hidden_states"]
     return_dict = kwargs.pop("return_dict", True)
     for name in PRECOMPUTED_KWARGS:
         kwargs.pop(name, None)
@@ -228,9 +237,14 @@ def _balanced_forward(tower, original, hidden_states, grid_thw, **kwargs):
         return [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())], out
 
     merge = tower.spatial_merge_size
+    if problem:  # only the plan runs: the tower never sees these pixels
+        hidden_states = hidden_states.new_empty(0, *hidden_states.shape[1:])
+        grid_thw = torch.zeros(0, 3, dtype=torch.long, device=hidden_states.device)
     outputs, out = run_balanced(
-        run, hidden_states, grid_thw, merge, planner, dist_info, module=tower
+        run, hidden_states, grid_thw, merge, planner, dist_info, module=tower, problem=problem
     )
+    if problem:  # (compiled: the plan's empty output keeps the op in the graph)
+        return out
     fields = {"pooler_output": outputs[0]}
     if "deepstack_features" in out:
         fields["deepstack_features"] = list(outputs[1:])
@@ -250,29 +264,40 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     kwargs = {**dict(zip(params[: len(args)], args, strict=True)), **kwargs}
     if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):
         return None
+    problem = 0  # raised on every rank by the tower call's plan, never here alone
     if kwargs.get("mm_encoder_outputs") is not None:
-        raise ValueError("mm_encoder_outputs cannot be combined with vision balancing")
+        problem = PROBLEMS["mm_encoder_outputs"]
     parts = []  # (modality, pixels, grid as given, grid as fed to the tower)
     for modality, pixel_key, grid_key in _MODALITIES:
         if kwargs.get(pixel_key) is not None:
             grid = kwargs[grid_key]
-            fed = _one_frame_rows(grid) if rule.one_frame_rows and modality == "video" else grid
+            split = rule.one_frame_rows and modality == "video" and _is_integer_grid(grid)
+            fed = _one_frame_rows(grid) if split else grid
             parts.append((modality, kwargs.pop(pixel_key).type(tower.dtype), grid, fed))
-    if parts:
+    c = tower.config
+    width = c.in_channels * c.temporal_patch_size * c.patch_size**2
+    if len({p[1].shape[1:] for p in parts}) > 1:
+        problem = problem or PROBLEMS["modalities_differ"]
+    if parts and not problem:
         pixels = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         grid = torch.cat([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
     else:
-        c = tower.config
-        width = c.in_channels * c.temporal_patch_size * c.patch_size**2
         pixels = torch.zeros(0, width, dtype=tower.dtype, device=tower.device)
         grid = torch.zeros(0, 3, dtype=torch.long, device=tower.device)
-    out = tower(pixels, grid_thw=grid)
+    if problem and not active:  # no collective to keep: this rank alone raises
+        raise ValueError(f"vit dp balance: {describe_problem(problem)}")
+    # Each image's rows, for the per-image split the parent expects: read before the tower, so
+    # the read never waits for it (one read for every modality).
     merge2 = tower.spatial_merge_size**2
+    sound = parts and all(_is_integer_grid(p[2]) for p in parts)  # else the plan raises
+    counts = [p[2].shape[0] if sound else 0 for p in parts]
+    sizes = torch.cat([p[2].prod(-1) // merge2 for p in parts]).tolist() if sound else []
+    out = tower(pixels, grid_thw=grid, vitbal_problem=problem)
     features, start = {}, 0
-    for modality, _, given, _ in parts:
-        sizes = (given.prod(-1) // merge2).tolist()
-        features[modality] = _rows(out, start, sizes)
-        start += sum(sizes)
+    for (modality, _, _, _), count in zip(parts, counts, strict=True):
+        mine, sizes = sizes[:count], sizes[count:]
+        features[modality] = _rows(out, start, mine)
+        start += sum(mine)
     if not parts:  # the empty entry ties this rank's output into the graph (module doc, 2.)
         features["image"] = _rows(out, 0, [0])
     return (), {**kwargs, "mm_encoder_outputs": features}
@@ -291,9 +316,16 @@ def _rows(out, start, sizes):
     return type(out)(**fields)
 
 
+def _is_integer_grid(grid) -> bool:
+    """A grid ``_one_frame_rows`` can split; any other reaches the plan as given, which then
+    raises its error on every rank."""
+    return grid.dim() == 2 and grid.shape[1] == 3 and not grid.dtype.is_floating_point
+
+
 def _one_frame_rows(grid):
-    """``[t, h, w]`` rows as ``t`` rows ``[1, h, w]`` (what GLM's ``get_video_features`` feeds)."""
-    hw = torch.repeat_interleave(grid[:, 1:], grid[:, 0], dim=0)
+    """``[t, h, w]`` rows as ``t`` rows ``[1, h, w]`` (what GLM's ``get_video_features`` feeds).
+    A non-positive ``t`` gives no row (the plan then raises on the rows it cannot match)."""
+    hw = torch.repeat_interleave(grid[:, 1:], grid[:, 0].clamp(min=0), dim=0)
     return torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
 
 

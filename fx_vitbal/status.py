@@ -1,0 +1,96 @@
+"""Status words: how every rank learns, without a collective of its own and without waiting,
+whether every rank's ViT outputs were sound, and raises the same ``ValueError`` if not.
+
+Each rank checks its own outputs against the layouts the ranks agreed on (sizes and dtypes only,
+known on the host) and sends its status word to every rank inside the outputs' exchange
+(``exchange.exchange``); a rank whose outputs are unsound sends zeros of the agreed sizes
+instead, so the exchange itself can never hang or mix up rows. The received words are copied
+to the host without waiting (``transfer.HostCopy``) and read where that costs nothing:
+
+- in ``restore``'s backward, before the output gradients move (every rank reaches it, and by
+  then the forward's copy has long landed): before any optimizer step can use the outputs;
+- at the end of ``restore`` itself when no backward will come (gradients off, or no output
+  requires one);
+- at the next balanced call on the group, for a step whose backward never ran.
+
+Words are two int64: ``[kind | output_index << 8, value]``.
+"""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from fx_vitbal.transfer import HostCopy
+
+OK, ROWS, LAYOUT, COUNT, NOT_AS_PLANNED = range(5)
+
+
+def word(kind: int = OK, index: int = 0, value: int = 0) -> torch.Tensor:
+    """One rank's status word (a CPU tensor)."""
+    return torch.tensor([kind | index << 8, value], dtype=torch.int64)
+
+
+def kind(word: torch.Tensor) -> int:
+    """What a status word says (``OK``, ``ROWS``, ...)."""
+    return int(word[0]) & 0xFF
+
+
+# Pending words by (group name, rank): ranks that are threads of one process (torch's threaded
+# test process group) keep their own.
+_PENDING: dict[tuple[str, int], dict[int, HostCopy]] = {}
+_LOCK = threading.Lock()
+
+
+def _key(group_name: str) -> tuple[str, int]:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return group_name, dist.get_rank(group)
+
+
+def expect(group_name: str, step: int, words_R: torch.Tensor) -> None:
+    """Keep every rank's received words (``[world, 2]`` int64, on any device) of
+    ``step`` for a later ``check``; the copy to the host is queued, not waited for."""
+    key = _key(group_name)
+    with _LOCK:
+        _PENDING.setdefault(key, {})[step] = HostCopy(words_R)
+
+
+def check(group_name: str, step: int | None = None) -> None:
+    """Read the words of ``step`` (None: of every step still pending on the group) and forget
+    them.
+
+    Raises:
+        ValueError: some rank's outputs were unsound; the same message on every rank.
+    """
+    key = _key(group_name)
+    with _LOCK:
+        pending = _PENDING.get(key, {})
+        steps = sorted(pending) if step is None else [step] if step in pending else []
+        taken = [pending.pop(s) for s in steps]
+    for copy in taken:
+        problems = [_describe(r, *w) for r, w in enumerate(copy.values()) if w[0] != OK]
+        if problems:
+            raise ValueError("vit dp balance: bad ViT output; " + "; ".join(problems))
+
+
+def _describe(rank: int, code: int, value: int) -> str:
+    kind, index = code & 0xFF, code >> 8
+    if kind == ROWS:
+        return (
+            f"rank {rank}: ViT output {index} has {value} rows; expected t*h*w (pre-merger) or "
+            "t*h*w/merge**2 (merged) rows summed over the units"
+        )
+    if kind == LAYOUT:
+        return (
+            f"rank {rank}: ViT output {index} changed its layout, dtype or row width from the "
+            "one every rank agreed on for this ViT (outputs may change layout only together "
+            "with the ViT instance, the pixel dtype or autocast, on every rank alike)"
+        )
+    if kind == COUNT:
+        return f"rank {rank}: the ViT returned {value} outputs, not the number agreed on"
+    return (
+        f"rank {rank}: the batch the ViT got is not the batch planned ahead for it "
+        "(fx_vitbal.plan_ahead); plan each batch with the pixels (shape, dtype, "
+        "requires_grad), grid and balancing settings the ViT call gets, on every rank, in the "
+        "order of the steps"
+    )
