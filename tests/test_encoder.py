@@ -1,7 +1,9 @@
-"""Finding, declaring and wrapping the ViT (single process: without a group every call is plain)."""
+"""Finding, declaring and wrapping the ViT; wrapped calls against the unbalanced ones on 3 ranks."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from dist_utils import assert_units_moved, record_moves, run_ranks
 from torch import nn
 
 import fx_vitbal
@@ -52,18 +54,48 @@ def test_merge_size_comes_from_the_spec_or_the_instance():
         VisionEncoderSpec(frame_independent=True).merge_size(nn.Linear(2, 2))
 
 
-def test_enable_wraps_in_place_once_and_keeps_state_dict_keys():
+GRIDS = [[[1, 8, 4], [2, 4, 4], [1, 12, 8]], [[1, 2, 2]], []]  # skewed; rank 2 has nothing
+
+
+def _wrapped_vs_plain(rank: int, world: int) -> dict:
     model = _model()
     keys = list(model.state_dict())
     original = model.visual.forward
     assert fx_vitbal.enable_vit_balance(model) is model
-    fx_vitbal.enable_vit_balance(model, config=fx_vitbal.BalanceConfig(trigger_threshold=0.5))
-    assert model.visual._vitbal_original_forward == original  # wrapped once, not twice
-    assert model.visual.forward != original
-    assert list(model.state_dict()) == keys
-    input_ids, pixels, grid = make_inputs([[1, 4, 4], [2, 2, 2]], in_dim=24)
-    plain = _model()
-    torch.testing.assert_close(model(input_ids, pixels, grid), plain(input_ids, pixels, grid))
+    config = fx_vitbal.BalanceConfig(trigger_threshold=0.1)
+    fx_vitbal.enable_vit_balance(model, config=config)
+    wrapped_once = model.visual._vitbal_original_forward == original
+    input_ids, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank)
+    out = {"wrapped_once": wrapped_once, "replaced": model.visual.forward != original}
+    out["same_keys"] = list(model.state_dict()) == keys
+    for name, net in (("got", model), ("want", _model())):
+        with record_moves() as moves:
+            logits = net(input_ids, pixels, grid)
+            logits.pow(2).mean().backward()
+        grads = torch.cat([p.grad.flatten() for p in net.parameters()])
+        dist.all_reduce(grads)
+        out[name] = (logits.detach(), grads)
+        out.setdefault("moves", moves)
+    # The functional wrapper on a windowed ViT: outputs and the regenerated window index.
+    vit = QwenStyleViT(ViTConfig(window_size=2, fullatt_block_indexes=(1,)))
+    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank)
+    with record_moves() as moves:
+        got = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+    out["vit"] = ([got[0].detach(), got[1]], [t.detach() for t in vit(pixels, grid)[:2]], moves)
+    return out
+
+
+def test_enable_wraps_in_place_once_and_balances_exactly_like_the_plain_model():
+    results = run_ranks(_wrapped_vs_plain, 3)
+    for rank, res in enumerate(results):
+        assert res["wrapped_once"] and res["replaced"] and res["same_keys"]
+        for got, want in zip(res["got"], res["want"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+        got, want, _ = res["vit"]
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the window index
+    assert_units_moved(results)
+    assert_units_moved([{"moves": res["vit"][2]} for res in results])
 
 
 def test_without_a_process_group_the_balanced_call_is_the_plain_call():

@@ -452,3 +452,36 @@ def test_wrapped_hf_vlm_in_eval_mode_issues_no_collective_and_matches():
     assert len(results[0]) == 2 and results[1] == []
     for got, want in results[0]:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _bad_input_on_rank_1(rank: int, world: int, case: str) -> str:
+    model = build_parent("qwen2_vl")
+    tower = model.get_encoder(modality="image")
+    width = _pixel_width(tower)
+    fx_vitbal.enable_vit_balance(model)
+    batch = make_batch("qwen2_vl", rank, 0, width)
+    batch.pop("labels")
+    if rank == 1 and case == "mm_encoder_outputs":
+        batch["mm_encoder_outputs"] = {"image": None}
+    if rank == 1 and case == "grid":  # h not a multiple of the merge size
+        batch["pixel_values"] = torch.randn(12, width)
+        batch["image_grid_thw"] = torch.tensor([[1, 3, 4]])
+    if rank == 1 and case == "modalities_differ":
+        batch["pixel_values_videos"] = torch.randn(2 * 4 * 6, width + 1)
+        batch["video_grid_thw"] = torch.tensor([[2, 4, 6]])
+    with pytest.raises(ValueError) as info:
+        if case == "hidden_states":  # a direct tower call
+            pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+            tower(pixels, grid_thw=grid, output_hidden_states=rank == 1)
+        else:
+            model(**batch)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "case", ["mm_encoder_outputs", "grid", "modalities_differ", "hidden_states"]
+)
+def test_a_bad_input_on_one_rank_raises_the_same_error_on_every_rank(case):
+    messages = run_ranks(_bad_input_on_rank_1, 2, case)
+    assert messages[0] == messages[1], messages
+    assert "rank 1" in messages[0] and "rank 0" not in messages[0], messages[0]

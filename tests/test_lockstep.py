@@ -8,13 +8,21 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
+from dist_utils import (
+    assert_units_moved,
+    fullgraph_capture,
+    record_collectives,
+    record_moves,
+    run_ranks,
+    train_step,
+)
 
 import fx_vitbal
 from fx_vitbal.models import LMConfig, OmniEncoderModel, QwenStyleViT, ViTConfig, make_inputs
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 
 SKEWED = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]
+EMPTY_RANKS = [[[1, 16, 12], [2, 4, 6], [1, 2, 2]], [], []]  # rank 0 holds every image
 
 
 def _model() -> OmniEncoderModel:
@@ -174,3 +182,115 @@ def test_pixel_gradients_on_one_rank_keep_every_rank_in_the_backward_exchange():
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     # Pixels out, outputs home, output grads out, pixel grads home: 4 exchanges on every rank.
     assert [[n for *_, n in res] for res in results] == [[4, 4]] * 3
+
+
+def _empty_ranks_compiled(rank: int, world: int, fullgraph: bool) -> dict:
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
+    _, pixels, grid = make_inputs(EMPTY_RANKS[rank], in_dim=24, seed=rank, dtype=torch.float64)
+    # Rank 1 passes None, rank 2 an empty [0, C] tensor.
+    args = (None, None) if rank == 1 else (pixels, grid)
+
+    def call(pixels, grid):
+        embeds, _, deepstack = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+        return embeds, deepstack[0]
+
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=fullgraph)
+    out = {}
+    for name, fn in (("eager", call), ("compiled", compiled)):
+        with record_collectives() as sequence, record_moves() as moves:
+            with fullgraph_capture(fullgraph and name == "compiled"):
+                embeds, deep = fn(*args)
+            (embeds.pow(2).sum() + deep.sum()).backward()
+        grads = torch.cat([p.grad.flatten() for p in vit.parameters()])
+        dist.all_reduce(grads)
+        vit.zero_grad(set_to_none=True)
+        out[name] = {
+            "outputs": [embeds.detach(), deep.detach()],
+            "grads": grads,
+            "sequence": sequence,
+            "moves": moves,
+        }
+    return out
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_ranks_without_images_work_compiled_as_in_eager(fullgraph):
+    results = run_ranks(_empty_ranks_compiled, 3, fullgraph)
+    for rank, res in enumerate(results):
+        eager, compiled = res["eager"], res["compiled"]
+        for got, want in zip(compiled["outputs"], eager["outputs"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"rank {rank}")
+        torch.testing.assert_close(compiled["grads"], eager["grads"], rtol=1e-9, atol=1e-9)
+        # The same collectives, of the same sizes, as the eager call (and on every rank).
+        assert compiled["sequence"] == eager["sequence"], rank
+        assert [op[:2] for op in compiled["sequence"]] == [
+            op[:2] for op in results[0]["compiled"]["sequence"]
+        ]
+    assert results[1]["eager"]["outputs"][0].shape == (0, 32)  # the None rank: empty outputs
+    assert_units_moved([res["compiled"] for res in results])
+
+
+class _UndeclaredWidthViT(QwenStyleViT):
+    """Registered as a subclass of QwenStyleViT would be, but without a pixel width."""
+
+
+def _compiled_none_without_width(rank: int, world: int) -> str:
+    fx_vitbal.register_vision_encoder(_UndeclaredWidthViT, frame_independent=True)
+    torch.manual_seed(0)
+    vit = _UndeclaredWidthViT(ViTConfig(deepstack_indexes=(0,))).double()
+    _, pixels, grid = make_inputs(SKEWED[rank], in_dim=24, seed=rank, dtype=torch.float64)
+    args = (None, None) if rank == 1 else (pixels, grid)
+    call = torch.compile(fx_vitbal.dp_balance_vit_encoder, backend="aot_eager")
+    with pytest.raises(ValueError) as info:
+        call(vit, *args)
+    return str(info.value)
+
+
+def test_a_compiled_rank_with_none_and_no_known_pixel_width_raises_on_every_rank():
+    messages = run_ranks(_compiled_none_without_width, 3)
+    assert messages[0] == messages[1] == messages[2]
+    assert "rank 1: a compiled call got pixel_values=None" in messages[0]
+    assert "register_vision_encoder(..., pixel_width=C)" in messages[0]
+
+
+def _raising_callback(rank: int, world: int) -> dict:
+    import logging
+
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
+    _, pixels, grid = make_inputs(SKEWED[rank], in_dim=24, seed=rank, dtype=torch.float64)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("fx_vitbal.measured").addHandler(handler)
+    seen = []
+
+    def metrics_writer(stats):  # a rank-0 writer that fails, every call
+        seen.append((stats.step, len(sequence)))
+        if stats.rank == 0:
+            raise OSError("disk full")
+
+    handle = fx_vitbal.add_stats_callback(metrics_writer)
+    steps = []
+    try:
+        for _ in range(3):
+            with record_collectives() as sequence:
+                embeds, _, deepstack = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+                issued = len(sequence)
+                (embeds.pow(2).sum() + deepstack[0].sum()).backward()
+            steps.append(issued)
+    finally:
+        handle.remove()
+    return {"seen": seen, "issued": steps, "logged": logged}
+
+
+def test_a_raising_stats_callback_is_logged_once_after_the_steps_collectives():
+    results = run_ranks(_raising_callback, 3)
+    for rank, res in enumerate(results):
+        # Called once per step, after the step's last forward collective (on every rank).
+        assert [n for _, n in res["seen"]] == res["issued"] and len(res["seen"]) == 3, res
+        assert res["issued"] == [4, 3, 3]  # the first step also agrees on output layouts
+        expected = 1 if rank == 0 else 0
+        assert len(res["logged"]) == expected, res["logged"]
+    assert "stats callback" in results[0]["logged"][0] and "raised" in results[0]["logged"][0]
