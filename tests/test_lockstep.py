@@ -241,6 +241,7 @@ def _compiled_none_without_width(rank: int, world: int) -> str:
     vit = _UndeclaredWidthViT(ViTConfig(deepstack_indexes=(0,))).double()
     _, pixels, grid = make_inputs(SKEWED[rank], in_dim=24, seed=rank, dtype=torch.float64)
     args = (None, None) if rank == 1 else (pixels, grid)
+    fx_vitbal.dp_balance_vit_encoder(vit, *args)  # eager: fine (and torch < 2.13 needs it first)
     call = torch.compile(fx_vitbal.dp_balance_vit_encoder, backend="aot_eager")
     with pytest.raises(ValueError) as info:
         call(vit, *args)
