@@ -25,6 +25,7 @@ import os
 import sys
 
 import torch
+from dist_utils import phase
 
 import fx_vitbal
 from fx_vitbal import collectives, metadata, transfer
@@ -127,9 +128,6 @@ def simulated_accelerator():
         collectives.all_gather,
         collectives.all_to_all,
     )
-
-    def phase() -> str:
-        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
     def gather(output, input, group):
         record["collectives"].append((phase(), "all_gather"))

@@ -81,6 +81,11 @@ def record_moves():
         fx_vitbal.ops.exchange = original
 
 
+def phase() -> str:
+    """``backward`` inside the autograd engine, else ``forward``."""
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
 @contextlib.contextmanager
 def record_collectives():
     """Record every collective the library issues (its ``fx_vitbal.collectives`` seam), as
@@ -90,9 +95,6 @@ def record_collectives():
 
     original = (collectives.all_gather, collectives.all_to_all)
     record = []
-
-    def phase() -> str:
-        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
     def gather(output, input, group):
         record.append((phase(), "all_gather", input.numel(), None))

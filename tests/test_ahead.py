@@ -8,10 +8,15 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import assert_units_moved, record_moves, run_ranks, train_step
+from dist_utils import (
+    assert_units_moved,
+    record_collectives,
+    record_moves,
+    run_ranks,
+    train_step,
+)
 
 import fx_vitbal
-from fx_vitbal import collectives
 from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 
 SKEWED = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]  # the plan is applied; rank 2 has nothing
@@ -48,21 +53,10 @@ def _plan_in_background(vit, batches, group, config=None) -> list:
     return planned
 
 
-def _counting():
-    """Count the library's gathers (host reads are counted in test_host_syncs.py)."""
-    counts = {"all_gather": 0}
-    original = collectives.all_gather
-
-    def counting(*args, **kwargs):
-        counts["all_gather"] += 1
-        return original(*args, **kwargs)
-
-    collectives.all_gather = counting
-
-    def restore():
-        collectives.all_gather = original
-
-    return counts, restore
+def _gathers(issued: list) -> dict:
+    """The library's gathers among the collectives ``record_collectives`` saw (host reads are
+    counted in test_host_syncs.py)."""
+    return {"all_gather": sum(name == "all_gather" for _, name, _, _ in issued)}
 
 
 def _same_results(rank: int, world: int) -> dict:
@@ -97,13 +91,9 @@ def _same_results(rank: int, world: int) -> dict:
 
     results["unbalanced"] = vit_call(balanced=False)
     results["in_step"] = vit_call()
-    counts, restore = _counting()
-    try:
-        with record_moves() as moves:
-            results["ahead"] = vit_call(eager)
-    finally:
-        restore()
-    results["moves"], results["counts"] = moves, counts
+    with record_collectives() as issued, record_moves() as moves:
+        results["ahead"] = vit_call(eager)
+    results["moves"], results["counts"] = moves, _gathers(issued)
     # In place: the same model trained with the plan handed over by use_plan.
     reference = train_step(_model(), SKEWED[rank], rank)
     model = fx_vitbal.enable_vit_balance(_model())
@@ -201,12 +191,9 @@ def _compiled(rank: int, world: int) -> dict:
         return fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, plan=plan)[0]
 
     out = {"eager": call(pixels, grid, planned[0]).detach()}
-    counts, restore = _counting()
-    try:
+    with record_collectives() as issued:
         out["compiled"] = torch.compile(call, backend="aot_eager")(pixels, grid, planned[1])
-    finally:
-        restore()
-    out["counts"] = counts
+    out["counts"] = _gathers(issued)
     with pytest.raises(Exception, match="handed over eagerly") as caught:
         torch.compile(call_fullgraph, backend="aot_eager", fullgraph=True)(pixels, grid, planned[2])
     out["fullgraph"] = type(caught.value).__name__
