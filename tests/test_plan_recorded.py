@@ -1,0 +1,14 @@
+"""Every strategy and option gives, bit for bit, the plans recorded before the planner's code was
+moved into ``fx_vitbal.plan`` (``tests/recorded_plans.py`` holds the inputs and the record)."""
+
+import json
+
+import recorded_plans
+
+
+def test_every_plan_is_the_recorded_one():
+    recorded = json.loads(recorded_plans.RECORD.read_text())
+    solved = recorded_plans.solve_all()
+    assert solved.keys() == recorded.keys()
+    changed = [name for name in recorded if solved[name] != recorded[name]]
+    assert not changed, f"{len(changed)} of {len(recorded)} plans changed: {changed[:10]}"
