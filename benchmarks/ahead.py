@@ -6,7 +6,7 @@ plan is skipped). Each step is the ViT's forward+backward through ``dp_balance_v
 "in step" plans inside it (``vitbal::plan``: the metadata gather and the solve), "ahead" is handed
 a plan made before by ``fx_vitbal.plan_ahead`` over a gloo group of its own, so the step only
 checks that its batch is the planned one. The plan's time is measured inside each timed step
-(``ops.plan``, resp. the hand-over, wrapped with a clock), so the share is of the same run.
+(``planning.plan``, resp. the hand-over, wrapped with a clock), so the share is of the same run.
 Medians over ``--repeats`` runs, modes interleaved run by run, each run after a barrier.
 
     python benchmarks/ahead.py [--repeats 15]
@@ -21,12 +21,12 @@ import torch.distributed as dist
 from e2e import EVEN, SKEWED, VIT, WORLD, _table, inputs, launch, print_machine
 
 import fx_vitbal
-import fx_vitbal.encoder
-from fx_vitbal import ops
-from fx_vitbal.encoder import planner_for
-from fx_vitbal.exchange import plan_units
-from fx_vitbal.models import QwenStyleViT
-from fx_vitbal.workloads import sample_batches
+import fx_vitbal.runtime.call
+from fx_vitbal.runtime import planning
+from fx_vitbal.runtime.planning import plan_units
+from fx_vitbal.runtime.settings import planner_for
+from fx_vitbal.tools.models import QwenStyleViT
+from fx_vitbal.tools.workloads import sample_batches
 
 
 class Clock:
@@ -91,8 +91,8 @@ def rank_main(rank: int, repeats: int) -> None:
     vit = QwenStyleViT(VIT)
     plan_group = dist.new_group(backend="gloo")
     clock = Clock()
-    ops.plan = clock.wrap(ops.plan)  # the in-step planning: gather + solve
-    fx_vitbal.encoder._planned_inputs = clock.wrap(fx_vitbal.encoder._planned_inputs)
+    planning.plan = clock.wrap(planning.plan)  # the in-step planning: gather + solve
+    fx_vitbal.runtime.call._planned_inputs = clock.wrap(fx_vitbal.runtime.call._planned_inputs)
     results = {
         "skewed": measure(rank, vit, SKEWED[rank], plan_group, repeats, clock),
         "even": measure(rank, vit, EVEN, plan_group, repeats, clock),

@@ -30,12 +30,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fx_vitbal
-from fx_vitbal import ops
-from fx_vitbal.encoder import planner_for
-from fx_vitbal.exchange import Routing, parse_planner_spec, planner_spec, split_units
-from fx_vitbal.models import QwenStyleViT, ViTConfig
-from fx_vitbal.simulate import QWEN2_VL_7B
-from fx_vitbal.workloads import sample_batches
+from fx_vitbal.runtime import ops, planning
+from fx_vitbal.runtime.routing import Routing, split_units
+from fx_vitbal.runtime.settings import parse_planner_spec, planner_for, planner_spec
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.simulate import QWEN2_VL_7B
+from fx_vitbal.tools.workloads import sample_batches
 
 WORLD = 2
 GROUP = "0"  # name of the default process group
@@ -108,7 +108,7 @@ def measure_skewed(rank: int, vit, repeats: int) -> dict[str, Timing]:
     pixels, grid_thw = inputs(SKEWED[rank], VIT.in_dim, rank)
     config = fx_vitbal.BalanceConfig()
     spec, _ = planner_for(vit, config)
-    grid, routing = ops.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP)
+    grid, routing = planning.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP)
     moved = move_pixels(pixels, routing)
     embeds = vit(moved, grid)[0].detach()
     home_rows = pixels.shape[0] // SHRINK
@@ -118,7 +118,9 @@ def measure_skewed(rank: int, vit, repeats: int) -> dict[str, Timing]:
         "on": lambda: vit_step(vit, pixels, grid_thw, config),
     }
     phases = {
-        "plan (gather grids, solve)": lambda: ops.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP),
+        "plan (gather grids, solve)": lambda: planning.plan(
+            pixels, grid_thw, MERGE, spec, WORLD, GROUP
+        ),
         "redistribute pixels": lambda: move_pixels(pixels, routing),
         "ViT forward+backward, balanced batch": lambda: vit_step(vit, moved, grid),
         "restore embeddings": lambda: move_home(embeds, routing, home_rows),
@@ -134,12 +136,12 @@ def measure_even(rank: int, vit, repeats: int) -> dict[str, Timing]:
     pixels, grid_thw = inputs(EVEN, VIT.in_dim, rank)
     config = fx_vitbal.BalanceConfig()
     spec, _ = planner_for(vit, config)
-    _, routing = ops.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP)
+    _, routing = planning.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP)
     assert not Routing.from_tensor(routing).applied, "EVEN must take the skip path"
     fns = {
         "off": lambda: vit_step(vit, pixels, grid_thw),
         "on": lambda: vit_step(vit, pixels, grid_thw, config),
-        "plan": lambda: ops.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP),
+        "plan": lambda: planning.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP),
     }
     timed(fns, 1)
     return timed(fns, repeats)
@@ -149,7 +151,7 @@ def measure_exchange(rank: int, grid: list[list[int]], spec: str, repeats: int) 
     """``redistribute`` + ``restore`` vs ``all_to_all_single`` moving the same rows; the raw
     version allocates its outputs too, as any real caller must."""
     pixels, grid_thw = inputs(grid, PIXEL_WIDTH, rank)
-    _, routing = ops.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP)
+    _, routing = planning.plan(pixels, grid_thw, MERGE, spec, WORLD, GROUP)
     route = Routing.from_tensor(routing)
     embeds = torch.randn(move_pixels(pixels, routing).shape[0] // SHRINK, EMBED_WIDTH)
     home_rows = pixels.shape[0] // SHRINK

@@ -56,13 +56,15 @@ import torch._inductor.config
 import torch.distributed as dist
 
 import fx_vitbal
-from fx_vitbal import exchange, ops
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import PolynomialCost, QuadraticCost
-from fx_vitbal.encoder import planner_for, vision_encoder_spec
-from fx_vitbal.models import LMConfig, OmniEncoderModel, QwenStyleViT, ViTConfig, make_inputs
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.workloads import sample_grid
+from fx_vitbal.runtime import exchange, ops, planning, routing
+from fx_vitbal.runtime.settings import planner_for
+from fx_vitbal.runtime.vits import vision_encoder_spec
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
+from fx_vitbal.tools.workloads import sample_grid
 
 # Image counts 2, 1, 3: one graph must serve them all (mark_unbacked).
 STEPS = [[[1, 8, 8], [2, 4, 6]], [[1, 4, 4]], [[1, 12, 8], [1, 2, 4], [1, 2, 2]]]
@@ -128,7 +130,7 @@ def compile_check(device: torch.device, backend: str, group_backend: str) -> boo
     compiled = torch.compile(gm, backend=backend, fullgraph=True)
     # Count the ops' Python kernels as the compiled graph calls them (module globals).
     calls = collections.Counter()
-    originals = {"plan": ops.solve_for_rank, "move": ops.as_blocks}
+    originals = {"plan": planning.solve_for_rank, "move": ops.as_blocks}
 
     def counting(name):
         def call(*args, **kwargs):
@@ -137,7 +139,7 @@ def compile_check(device: torch.device, backend: str, group_backend: str) -> boo
 
         return call
 
-    ops.solve_for_rank, ops.as_blocks = counting("plan"), counting("move")
+    planning.solve_for_rank, ops.as_blocks = counting("plan"), counting("move")
     torch._dynamo.utils.counters.clear()
     rows, ok = [], True
     try:
@@ -165,7 +167,7 @@ def compile_check(device: torch.device, backend: str, group_backend: str) -> boo
             rows.append(f"| {i} | {len(grids)} | {pixels.shape[0]} | {seconds:.2f} | {diffs} |")
             rows[-1] += " ok |" if close else " **MISMATCH** |"
     finally:
-        ops.solve_for_rank, ops.as_blocks = originals["plan"], originals["move"]
+        planning.solve_for_rank, ops.as_blocks = originals["plan"], originals["move"]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     ran = calls["plan"] == len(STEPS) and calls["move"] >= 2 * len(STEPS)
     ok = ok and ran and sum(inserted.values()) >= 3
@@ -377,9 +379,9 @@ def overhead(device: torch.device, small: bool) -> None:
     # The solve, at its size in a 64-rank world (rank 0 holds the batch above).
     spec, merge = planner_for(vit, BalanceConfig())
     grids_R = [images] + [[sample_grid(rng) for _ in range(8)] for _ in range(63)]
-    solve_s = timed(lambda: exchange.plan_units(grids_R, 0, spec), torch.device("cpu"), 5)
-    plan, units_R, _ = exchange.plan_units(grids_R, 0, spec)
-    route = exchange.local_routing(plan, units_R, 0, merge)
+    solve_s = timed(lambda: planning.plan_units(grids_R, 0, spec), torch.device("cpu"), 5)
+    plan, units_R, _ = planning.plan_units(grids_R, 0, spec)
+    route = routing.local_routing(plan, units_R, 0, merge)
     # The exchange's own copies for this rank under that plan: pixels out in destination order,
     # the merged outputs back in home order, their gradients out again.
     area = merge * merge

@@ -1,6 +1,6 @@
 """Node-aware planning vs node-blind min-move in the simulator, as a Markdown table.
 
-Each step is sampled as ``python -m fx_vitbal.simulate`` samples it (realistic mix, video frames as
+Each step is sampled as ``tools.simulate`` samples it (realistic mix, video frames as
 units, Qwen2-VL-7B ViT costs, default row cap) and planned twice: node-blind
 (``ranks_per_node=None``) and node-aware with 8 ranks per node. Both always plan (no trigger, no
 minimum gain) so the plans themselves are compared. Makespans are over the lower bound
@@ -21,10 +21,10 @@ import platform
 import time
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.exchange import split_units
-from fx_vitbal.planner import solve_plan
-from fx_vitbal.simulate import BYTES_PER_ROW, QWEN2_VL_7B
-from fx_vitbal.workloads import sample_batches
+from fx_vitbal.plan.solve import solve_plan
+from fx_vitbal.runtime.routing import split_units
+from fx_vitbal.tools.simulate import BYTES_PER_ROW, QWEN2_VL_7B
+from fx_vitbal.tools.workloads import sample_batches
 
 BLIND = BalanceConfig(trigger_threshold=0.0, min_gain=0.0)
 RANKS_PER_NODE = 8

@@ -26,8 +26,8 @@ import time
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost
-from fx_vitbal.planner import solve_plan
-from fx_vitbal.workloads import MIXES, sample_batches
+from fx_vitbal.plan.solve import solve_plan
+from fx_vitbal.tools.workloads import MIXES, sample_batches
 
 # Qwen2-VL-7B vision_config: embed_dim 1280, mlp_ratio 4, depth 32, 3*2*14*14 inputs per patch,
 # merged into the LM's hidden size 3584; all layers attend over whole frames.

@@ -34,8 +34,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import fx_vitbal
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
-from fx_vitbal.workloads import sample_grid
+from fx_vitbal.tools.models import ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
+from fx_vitbal.tools.workloads import sample_grid
 
 # Small enough for ~0.1-1 s ViT steps on one CPU thread, with the real towers' structure: per-frame
 # attention, a 2x2 patch merger and one deepstack layer (Qwen3-VL style).
@@ -43,7 +44,7 @@ VIT = ViTConfig(
     in_dim=96, hidden=64, num_heads=4, depth=4, mlp_hidden=256, out_dim=64, deepstack_indexes=(1,)
 )
 LM = LMConfig(vocab_size=64, hidden=64, num_layers=2, num_heads=4)
-# Grids of fx_vitbal.workloads divided by this per side: a 1.5-2.8k px document becomes ~30x20
+# Grids of fx_vitbal.tools.workloads divided by this per side: a 1.5-2.8k px document becomes ~30x20
 # patches instead of ~120x90, and costs keep their relative sizes.
 DOWNSCALE = 4
 TEXT_PER_IMAGE = 16

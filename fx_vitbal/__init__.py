@@ -2,19 +2,16 @@
 similar work, and move the outputs back so the rest of the model sees exactly what it would have.
 """
 
-from fx_vitbal import ops  # noqa: F401  (registers the vitbal:: custom ops)
 from fx_vitbal.ahead import PlannedBatch, plan_ahead, use_plan
-from fx_vitbal.check import VisionEncoderReport, check_vision_encoder
 from fx_vitbal.config import BalanceConfig, add_vit_balance_args
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
-from fx_vitbal.encoder import (
-    VisionEncoderSpec,
-    dp_balance_vit_encoder,
-    enable_vit_balance,
-    register_vision_encoder,
-)
-from fx_vitbal.measured import BalanceStats, add_stats_callback
-from fx_vitbal.planner import Plan, solve_plan
+from fx_vitbal.encoder import dp_balance_vit_encoder, enable_vit_balance
+from fx_vitbal.integrations import hf  # noqa: F401  (registers its entry point; no transformers import)
+from fx_vitbal.measure import BalanceStats, add_stats_callback
+from fx_vitbal.plan import Plan, solve_plan
+from fx_vitbal.runtime import ops, planning  # noqa: F401  (register the vitbal:: custom ops)
+from fx_vitbal.runtime.vits import VisionEncoderSpec, register_vision_encoder
+from fx_vitbal.tools.check import VisionEncoderReport, check_vision_encoder
 
 __all__ = [
     # configuration

@@ -20,10 +20,10 @@ Rules that keep the ranks in lockstep:
   planned shapes (zeros stand in for its pixels when the shapes differ) and sets a flag: in its
   routing when the host knows it, or, for a grid on the device, as a device boolean compared
   there. The flag rides in the rank's status word inside the outputs' exchange
-  (``fx_vitbal.status``): every rank then raises the same ``ValueError`` in ``restore``'s
+  (``fx_vitbal.runtime.status``): every rank then raises the same ``ValueError`` in ``restore``'s
   backward (or at the end of ``restore`` when no backward will come), before any optimizer step
   can use the outputs. No collective and no host read are added for it.
-- The output-layout key of a planned call (``metadata.layout_key``: the ViT, pixel dtype,
+- The output-layout key of a planned call (``runtime.layouts.layout_key``: the ViT, pixel dtype,
   autocast) is taken when it is planned: plan under the autocast state of the step.
 - When the plan moves nothing (``plan.applied`` is False, the same on every rank), the step has
   no collective at all: a rank whose batch differs runs its ViT on the batch it got, locally,
@@ -31,7 +31,8 @@ Rules that keep the ranks in lockstep:
   unbalanced); it logs a warning. Nothing crosses ranks, so no other rank can be corrupted.
 - ``torch.compile``: with ``fullgraph=False`` the hand-over runs eagerly between graphs (it is
   ``torch.compiler.disable``d), so a compiled call uses the plan; ``fullgraph=True`` cannot
-  leave the graph and refuses a plan (``encoder._planned_inputs``): the graph plans in the step.
+  leave the graph and refuses a plan (``runtime.call._planned_inputs``): the graph plans in the
+  step.
 """
 
 import dataclasses
@@ -41,11 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fx_vitbal import ops, status, transfer
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.encoder import find_vit, is_balanced_in_place, layout_token, planner_for
-from fx_vitbal.exchange import Routing
-from fx_vitbal.planner import Plan
+from fx_vitbal.plan.units import Plan
+from fx_vitbal.runtime import planning, status, transfer
+from fx_vitbal.runtime.planning import group_ranks, max_units, resolve_group, solve_for_rank
+from fx_vitbal.runtime.routing import Routing
+from fx_vitbal.runtime.settings import layout_token, planner_for
+from fx_vitbal.runtime.vits import find_vit, is_balanced_in_place
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class PlannedBatch:
     grid: torch.Tensor
     """The grid rows this rank's ViT computes, in arrival order (``vitbal::plan``'s grid)."""
     routing: torch.Tensor
-    """This rank's packed ``exchange.Routing`` (``vitbal::plan``'s second output), parsed."""
+    """This rank's packed ``routing.Routing`` (``vitbal::plan``'s second output), parsed."""
     settings: tuple[str, int]
     """``(planner spec, merge size)`` it was solved with; the step must use the same."""
     ranks: tuple[int, ...]
@@ -77,13 +80,13 @@ class PlannedBatch:
         settings: tuple[str, int],
         group_name: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(pixels, balanced grid, routing)`` for ``encoder.run_balanced``, in place of
+        """``(pixels, balanced grid, routing)`` for ``runtime.call.run_balanced``, in place of
         ``vitbal::plan``'s outputs (see the module doc for a batch that differs).
 
         Raises:
             ValueError: the planning group's ranks are not the step group's, in the same order.
         """
-        step_ranks = ops.group_ranks(ops.resolve_group(group_name))
+        step_ranks = group_ranks(resolve_group(group_name))
         if step_ranks != self.ranks:
             raise ValueError(
                 f"plan_ahead planned over ranks {list(self.ranks)} but the ViT call's group has "
@@ -98,7 +101,7 @@ class PlannedBatch:
                 log.warning(
                     "vit dp balance: rank %d's batch or settings differ from the ones planned "
                     "ahead; the plan moves nothing, so this rank runs its ViT on its own batch",
-                    dist.get_rank(ops.resolve_group(group_name)),
+                    dist.get_rank(resolve_group(group_name)),
                 )
             return _local_step(pixel_values, image_grid_thw, settings, route, group_name)
         grid = transfer.to_device(self.grid, image_grid_thw.device).to(image_grid_thw.dtype)
@@ -127,10 +130,9 @@ def _same_shapes(batch: "BatchKey", pixel_values, image_grid_thw) -> bool:
 
 
 def _flagged(routing: torch.Tensor) -> torch.Tensor:
-    """``routing`` marked ``Routing.mismatched`` (bit 1 of its first value): restore raises."""
-    flagged = routing.clone()
-    flagged[0] |= 2
-    return flagged
+    """``routing`` marked ``Routing.mismatched``: restore's status word then makes every rank
+    raise."""
+    return Routing.of(routing).repacked(routing, mismatched=True)
 
 
 def plan_ahead(
@@ -174,7 +176,7 @@ def plan_ahead(
         pixel_values = torch.empty(0, 0)
         image_grid_thw = torch.empty(0, 3, dtype=torch.long)
     planner, merge = settings
-    grid, routing, solved = ops.solve_for_rank(
+    grid, routing, solved = solve_for_rank(
         pixel_values, image_grid_thw, merge, planner, group, module_key=layout_token(vit)
     )
     Routing.of(routing)  # parse it here, not in the step
@@ -183,7 +185,7 @@ def plan_ahead(
         grid=grid.cpu(),
         routing=routing,
         settings=settings,
-        ranks=ops.group_ranks(group),
+        ranks=group_ranks(group),
         batch=batch_key(pixel_values, image_grid_thw),
     )
 
@@ -216,8 +218,8 @@ def _local_step(pixel_values, image_grid_thw, settings, route, group_name):
     inactive outputs, with the pixel layout the ranks agreed on, so a rank without images still
     runs the dummy unit in their row width."""
     planner, merge = settings
-    world = dist.get_world_size(ops.resolve_group(group_name))
-    grid, routing = ops.plan(
+    world = dist.get_world_size(resolve_group(group_name))
+    grid, routing = planning.plan(
         pixel_values, image_grid_thw, merge, planner, world, group_name, active=False
     )
     local = dataclasses.replace(
@@ -226,4 +228,4 @@ def _local_step(pixel_values, image_grid_thw, settings, route, group_name):
         row_numel=route.row_numel,
         dtype_code=route.dtype_code,
     )
-    return pixel_values, grid, local.to_tensor(ops.max_units(pixel_values.shape[0], merge))
+    return pixel_values, grid, local.to_tensor(max_units(pixel_values.shape[0], merge))

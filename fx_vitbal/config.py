@@ -55,7 +55,7 @@ class BalanceConfig:
     """``auto`` (architecture-aware when the ViT's dimensions are known, else quadratic),
     ``quadratic`` (``(t*h*w)**2``), ``polynomial`` (needs ``cost_coeffs``), ``architecture``
     or ``online`` (fitted every step from every rank's measured ViT time, starting from
-    ``auto``'s model; ``fx_vitbal.online``)."""
+    ``auto``'s model; ``fx_vitbal.cost.online``)."""
 
     cost_coeffs: tuple[float, float, float] | None = None
     """``(a, b, c)`` of ``a*l**2 + b*l + c`` for the polynomial model (``PolynomialCost.fit``)."""
@@ -75,7 +75,7 @@ class BalanceConfig:
     """Move single video frames when the ViT attends per frame (exact for Qwen-family towers)."""
 
     ranks_per_node: int | None = None
-    """Data-parallel ranks per node, for node-aware planning (``fx_vitbal.nodes``): moves stay
+    """Data-parallel ranks per node, for node-aware planning (``fx_vitbal.plan.nodes``): moves stay
     inside a node where they can, and plans report the rows crossing nodes. Rank ``r`` of the
     balancing group is on node ``r // ranks_per_node`` (contiguous ranks, as torchrun numbers
     them). ``None`` or 1: node-blind. Every rank must use the same value (ranks compare a

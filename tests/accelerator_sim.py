@@ -28,7 +28,7 @@ import torch
 from dist_utils import phase
 
 import fx_vitbal
-from fx_vitbal import collectives, metadata, transfer
+from fx_vitbal.runtime import collectives, metadata, transfer
 
 _LIBRARY = os.path.dirname(fx_vitbal.__file__)
 _PASSES = os.path.join(os.path.dirname(_LIBRARY), "passes")

@@ -64,9 +64,9 @@ def record_moves():
     movement in eager and compiled runs alike (matching outputs alone would not: a passthrough
     also matches).
     """
-    import fx_vitbal.ops
+    import fx_vitbal.runtime.ops
 
-    original = fx_vitbal.ops.exchange
+    original = fx_vitbal.runtime.ops.exchange
     moves = []
 
     def recording(xs, routing, shrink, reverse, group, *args):
@@ -74,11 +74,11 @@ def record_moves():
         moves.append(sum(d != rank for d in routing.dest))
         return original(xs, routing, shrink, reverse, group, *args)
 
-    fx_vitbal.ops.exchange = recording
+    fx_vitbal.runtime.ops.exchange = recording
     try:
         yield moves
     finally:
-        fx_vitbal.ops.exchange = original
+        fx_vitbal.runtime.ops.exchange = original
 
 
 def phase() -> str:
@@ -88,10 +88,10 @@ def phase() -> str:
 
 @contextlib.contextmanager
 def record_collectives():
-    """Record every collective the library issues (its ``fx_vitbal.collectives`` seam), as
+    """Record every collective the library issues (its ``fx_vitbal.runtime.collectives`` seam), as
     ``(phase, name, input elements of a gather or input rows of an exchange, output splits)``;
     phase is ``forward`` or ``backward`` (inside the autograd engine)."""
-    from fx_vitbal import collectives
+    from fx_vitbal.runtime import collectives
 
     original = (collectives.all_gather, collectives.all_to_all)
     record = []
@@ -126,7 +126,7 @@ def train_step(
 
     ``unbacked`` marks the batch dims so one compiled graph serves every image count.
     """
-    from fx_vitbal.models import make_inputs
+    from fx_vitbal.tools.omni import make_inputs
 
     input_ids, pixels, grid = make_inputs(grids, in_dim=in_dim, seed=rank)
     if unbacked:

@@ -14,7 +14,7 @@ import random
 
 from fx_vitbal import BalanceConfig, solve_plan
 from fx_vitbal.cost import ArchitectureCost, QuadraticCost
-from fx_vitbal.workloads import sample_batches
+from fx_vitbal.tools.workloads import sample_batches
 
 RECORD = pathlib.Path(__file__).parent / "data" / "recorded_plans.json"
 ARCHITECTURE = ArchitectureCost(hidden=1280, mlp_hidden=3420, depth=32, in_dim=1176, out_dim=3584)
@@ -57,8 +57,9 @@ def cases():
             for i, options in enumerate(OPTIONS):
                 name = f"{num_ranks}x{images}-{mix}-{cost_name}-{i}"
                 yield name, costs, tokens, {"config": BalanceConfig(**options)}
-        history = [float(r % 3) * max(map(max, filter(None, tokens)), default=1) for r in
-                   range(num_ranks)]
+        history = [
+            float(r % 3) * max(map(max, filter(None, tokens)), default=1) for r in range(num_ranks)
+        ]
         costs = [[float(n) ** 2 / 1e6 for n in rank] for rank in tokens]
         yield f"{num_ranks}x{images}-{mix}-history", costs, tokens, {"history": history}
         seconds = [[c * 1e-6 for c in rank] for rank in costs]
@@ -72,8 +73,9 @@ def cases():
     rng = random.Random(7)
     for k in range(40):
         num_ranks = rng.randint(1, 12)
-        tokens = [[rng.randint(1, 4) * 4 for _ in range(rng.randint(0, 6))] for _ in
-                  range(num_ranks)]
+        tokens = [
+            [rng.randint(1, 4) * 4 for _ in range(rng.randint(0, 6))] for _ in range(num_ranks)
+        ]
         costs = [[float(n // 4) for n in rank] for rank in tokens]
         options = OPTIONS[k % len(OPTIONS)]
         yield f"ties-{k}", costs, tokens, {"config": BalanceConfig(**options)}

@@ -17,7 +17,8 @@ from dist_utils import (
 )
 
 import fx_vitbal
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
+from fx_vitbal.tools.models import ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 SKEWED = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]  # the plan is applied; rank 2 has nothing
 EVEN = [[[1, 4, 4]], [[1, 4, 4]], [[1, 4, 4]]]  # the plan is skipped
@@ -224,7 +225,7 @@ def test_a_plan_runs_eagerly_between_compiled_graphs_and_fullgraph_refuses_it():
 
 
 def _online_ahead(rank: int, world: int) -> list:
-    from fx_vitbal.measured import add_stats_callback
+    from fx_vitbal.measure.stats import add_stats_callback
 
     plan_group = dist.new_group(backend="gloo")
     vit = _model().visual

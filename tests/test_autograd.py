@@ -17,8 +17,9 @@ from dist_utils import assert_units_moved, record_moves, run_ranks
 from torch.utils.checkpoint import checkpoint
 
 import fx_vitbal
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.tools.models import ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 GRIDS = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]  # skewed; rank 2 has nothing
 ENTRIES = [

@@ -15,9 +15,10 @@ from dist_utils import (
 
 import fx_vitbal
 from fx_vitbal import _compat
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 from fx_vitbal.passes.backend import make_vitbal_backend
+from fx_vitbal.tools.models import ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 # Per step, per rank. Image counts change every step (0 to 3), so a compiled graph that
 # specialized on them would recompile.

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fx_vitbal
-from fx_vitbal.check import check_vision_encoder
-from fx_vitbal.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.check import check_vision_encoder
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 
 IN_DIM = 6
 M = 2  # merge size of the test ViTs

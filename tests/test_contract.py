@@ -24,9 +24,10 @@ from dist_utils import (
 from torch import nn
 
 import fx_vitbal
-from fx_vitbal.encoder import vision_encoder_spec
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.runtime.vits import vision_encoder_spec
+from fx_vitbal.tools.models import ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 IN_DIM, HIDDEN, M = 24, 16, 2
 GRIDS = [[[1, 16, 12], [2, 4, 6], [1, 8, 8]], [[1, 2, 2]], []]  # skewed; rank 2 has nothing
@@ -264,7 +265,7 @@ def test_an_unregistered_vit_gets_whole_rows_l2_costs_and_its_own_merge_size():
     spec = vision_encoder_spec(vit)
     assert spec.frame_independent is False and spec.cost_model is None
     assert spec.merge_size(vit) == M
-    planner, merge = fx_vitbal.encoder.planner_for(vit, fx_vitbal.BalanceConfig())
+    planner, merge = fx_vitbal.runtime.settings.planner_for(vit, fx_vitbal.BalanceConfig())
     assert merge == M and '\\"kind\\": \\"quadratic\\"' in planner
     del vit.spatial_merge_size
     with pytest.raises(TypeError, match="SeedViT has no spatial_merge_size attribute"):

@@ -12,9 +12,11 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 
 import fx_vitbal
-from fx_vitbal.exchange import Routing, exchange, local_routing
-from fx_vitbal.models import QwenStyleViT, ViTConfig, make_inputs
-from fx_vitbal.planner import Plan
+from fx_vitbal.plan.units import Plan
+from fx_vitbal.runtime.exchange import exchange
+from fx_vitbal.runtime.routing import Routing, local_routing
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.omni import make_inputs
 
 # Skewed per-rank batches: rank 0 holds a large image and a video, rank 1 a thumbnail, rank 3
 # nothing at all (it must still take part in every collective).

@@ -9,7 +9,7 @@ every parameter or with ``inputs=`` half of them, ``retain_graph=True`` and a se
 non-reentrant checkpoint) and whether the eager call runs under ``torch.compile``. Each step must
 equal the unbalanced run on every rank (outputs, deepstack, window_index, all-reduced parameter
 gradients) or raise the same ``ValueError`` on every rank; a good step follows every bad one. The
-collectives each rank issues (``fx_vitbal.collectives``: kind, phase, gather size) must be the
+collectives each rank issues (``runtime.collectives``: kind, phase, gather size) must be the
 same sequence on every rank in every step. Pixels do not require gradients, as in training
 (``test_lockstep.py`` covers ranks whose pixels differ in that).
 
@@ -29,8 +29,9 @@ from dist_utils import record_collectives, record_moves, run_ranks
 from torch.utils.checkpoint import checkpoint
 
 import fx_vitbal
-import fx_vitbal.ops
-from fx_vitbal.models import QwenStyleViT, ViTConfig, make_inputs
+import fx_vitbal.runtime.planning
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.omni import make_inputs
 
 WORLD, STEPS, SEED = 8, 40, 2  # this seed draws every bad case (asserted below)
 # Long enough for 8 processes sharing 2 cores, short enough that a hang fails fast.
@@ -109,18 +110,18 @@ def _corrupt(pixels: torch.Tensor, grid: torch.Tensor, case: str):
 @contextlib.contextmanager
 def _count_plans():
     """Count ``vitbal::plan`` calls (the metadata gather): an eval step must make none."""
-    original = fx_vitbal.ops.plan
+    original = fx_vitbal.runtime.planning.plan
     calls = []
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    fx_vitbal.ops.plan = counting
+    fx_vitbal.runtime.planning.plan = counting
     try:
         yield calls
     finally:
-        fx_vitbal.ops.plan = original
+        fx_vitbal.runtime.planning.plan = original
 
 
 def _loss(outputs: list[torch.Tensor]) -> torch.Tensor:
@@ -244,7 +245,7 @@ def _random_steps(rank: int, world: int) -> list[dict]:
     vit = QwenStyleViT(VIT).double()
     # The first vitbal op imports torch._dynamo (seconds on a busy machine): do it before any
     # short-timeout collective, with a plan that gathers nothing.
-    fx_vitbal.ops.plan(
+    fx_vitbal.runtime.planning.plan(
         torch.zeros(4, 4), torch.tensor([[1, 2, 2]]), 2, "", world, group.group_name, False
     )
     dist.barrier()

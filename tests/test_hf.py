@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 import fx_vitbal  # noqa: E402
 from fx_vitbal.config import BalanceConfig  # noqa: E402
 from fx_vitbal.cost import ArchitectureCost  # noqa: E402
-from fx_vitbal.exchange import parse_planner_spec  # noqa: E402
 from fx_vitbal.integrations import hf  # noqa: E402
+from fx_vitbal.runtime.settings import parse_planner_spec  # noqa: E402
 
 TEXT = dict(
     vocab_size=128,

@@ -10,9 +10,10 @@ from accelerator_sim import on_accelerator, simulated_accelerator
 from dist_utils import run_ranks
 
 import fx_vitbal
-from fx_vitbal.metadata import meta_device
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.runtime.metadata import meta_device
+from fx_vitbal.tools.models import ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 GRIDS = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]]]  # skewed: the plan is applied
 

@@ -18,8 +18,9 @@ from dist_utils import (
 )
 
 import fx_vitbal
-from fx_vitbal.models import LMConfig, OmniEncoderModel, QwenStyleViT, ViTConfig, make_inputs
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 SKEWED = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]
 EMPTY_RANKS = [[[1, 16, 12], [2, 4, 6], [1, 2, 2]], [], []]  # rank 0 holds every image
@@ -264,7 +265,7 @@ def _raising_callback(rank: int, world: int) -> dict:
     logged = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("fx_vitbal.measured").addHandler(handler)
+    logging.getLogger("fx_vitbal.measure").addHandler(handler)
     seen = []
 
     def metrics_writer(stats):  # a rank-0 writer that fails, every call

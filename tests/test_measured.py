@@ -15,12 +15,13 @@ from torch import nn
 
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost, OnlineCost, QuadraticCost
-from fx_vitbal.exchange import planner_spec
-from fx_vitbal.exchange_time import MIN_EXCHANGES, STALE_AFTER, ExchangeFit, ExchangeModel
-from fx_vitbal.measured import add_stats_callback, reset
-from fx_vitbal.metadata import settings_fingerprint
-from fx_vitbal.planner import MAKESPAN_SLACK, solve_plan, worth_moving
-from fx_vitbal.timing import watch_parameters
+from fx_vitbal.cost.exchange_time import MIN_EXCHANGES, STALE_AFTER, ExchangeFit, ExchangeModel
+from fx_vitbal.measure.clock import watch_parameters
+from fx_vitbal.measure.measurements import reset
+from fx_vitbal.measure.stats import add_stats_callback
+from fx_vitbal.plan.solve import MAKESPAN_SLACK, solve_plan, worth_moving
+from fx_vitbal.runtime.metadata import settings_fingerprint
+from fx_vitbal.runtime.settings import planner_spec
 
 PER_UNIT_SECONDS = 0.003
 
@@ -121,19 +122,19 @@ def _three_runs(rank: int, world: int) -> dict:
     architecture = _train(RegisteredOverheadViT(), config, 14, rank)
     # A slow interconnect: every all_to_all takes 60 ms longer than its bytes need.
     reset()
-    original = fx_vitbal.ops.exchange
+    original = fx_vitbal.runtime.ops.exchange
 
     def slow(*args, **kwargs):
         _busy(0.06)
         return original(*args, **kwargs)
 
-    fx_vitbal.ops.exchange = slow
+    fx_vitbal.runtime.ops.exchange = slow
     try:
         torch.manual_seed(0)
         config = fx_vitbal.BalanceConfig(cost_model="online", **uncapped)
         slow_stats = _train(OverheadViT(), config, 12, rank)
     finally:
-        fx_vitbal.ops.exchange = original
+        fx_vitbal.runtime.ops.exchange = original
     return {
         "online": _summary(online),
         "architecture": _summary(architecture),
@@ -318,8 +319,9 @@ def test_the_settings_fingerprint_covers_the_online_settings_not_the_coefficient
 
 
 def _compiled_and_fx(rank: int, world: int) -> dict:
-    from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig
     from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+    from fx_vitbal.tools.models import ViTConfig
+    from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel
 
     config = fx_vitbal.BalanceConfig(cost_model="online")
     grids = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]]][rank]
@@ -379,8 +381,8 @@ class _Event:
 
 
 def test_a_cuda_clock_reports_a_call_only_once_its_events_completed(monkeypatch):
-    from fx_vitbal.measured import Measurements
-    from fx_vitbal.planner import Plan
+    from fx_vitbal.measure.measurements import Measurements
+    from fx_vitbal.plan.units import Plan
 
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     state = Measurements(OnlineCost(prior=QuadraticCost()))
@@ -400,7 +402,7 @@ def test_a_cuda_clock_reports_a_call_only_once_its_events_completed(monkeypatch)
 
 
 def test_the_clock_times_the_pixels_exchange_only():
-    from fx_vitbal.timing import StepClock
+    from fx_vitbal.measure.clock import StepClock
 
     clock = StepClock(1)
     timed = [clock.timing_exchange(reverse=False)]  # redistribute: pixels out
@@ -414,7 +416,7 @@ def test_the_clock_times_the_pixels_exchange_only():
 
 
 def test_a_call_without_backward_is_complete_after_its_forward():
-    from fx_vitbal.timing import StepClock
+    from fx_vitbal.measure.clock import StepClock
 
     clock = StepClock(1)
     clock.forward_started(torch.device("cpu"))

@@ -11,14 +11,8 @@ import torch.nn.functional as F
 from dist_utils import fullgraph_capture
 from torch.testing import assert_close
 
-from fx_vitbal.models import (
-    LMConfig,
-    OmniEncoderModel,
-    QwenStyleViT,
-    ViTConfig,
-    _patch_layout,
-    make_inputs,
-)
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig, _patch_layout
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 IN_DIM = 24
 WINDOWED = ViTConfig(depth=3, window_size=2, fullatt_block_indexes=(1,), deepstack_indexes=(0, 2))

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fx_vitbal.cost import ArchitectureCost, OnlineCost, QuadraticCost
-from fx_vitbal.online import (
+from fx_vitbal.cost.online import (
     MAX_OBSERVATIONS,
     MIN_OBSERVATIONS,
     OnlineFit,
@@ -20,8 +20,8 @@ from fx_vitbal.online import (
     rank_features,
     unit_features,
 )
-from fx_vitbal.simulate_online import main, run
-from fx_vitbal.workloads import sample_batches
+from fx_vitbal.tools.simulate_online import main, run
+from fx_vitbal.tools.workloads import sample_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRUE = (3e-9, 2e-5, 1e-3, 5e-3)  # (a, b, c, d): seconds per pair, token, unit, step
@@ -97,8 +97,8 @@ if {threads}:
     import torch
     torch.set_num_threads({threads})
 from fx_vitbal.cost import ArchitectureCost, OnlineCost
-from fx_vitbal.online import OnlineFit
-from fx_vitbal.workloads import sample_batches
+from fx_vitbal.cost.online import OnlineFit
+from fx_vitbal.tools.workloads import sample_batches
 assert "torch" in sys.modules or not {threads}
 rng = random.Random(0)
 fit = OnlineFit(OnlineCost(prior=ArchitectureCost(

@@ -6,9 +6,10 @@ import torch
 from dist_utils import run_ranks
 
 import fx_vitbal
-from fx_vitbal import ops
 from fx_vitbal.cost import QuadraticCost
-from fx_vitbal.exchange import Routing, planner_spec
+from fx_vitbal.runtime import ops, planning
+from fx_vitbal.runtime.routing import Routing
+from fx_vitbal.runtime.settings import planner_spec
 
 DEFAULT_CHECKS = torch.library._OPCHECK_DEFAULT_UTILS
 PLAN_CHECKS = tuple(u for u in DEFAULT_CHECKS if u != "test_aot_dispatch_dynamic")
@@ -22,7 +23,7 @@ def _opcheck_all(rank: int, world: int) -> list[str]:
     pixels = torch.randn(int(grid.prod(-1).sum()), 6, dtype=torch.float64)
     spec = planner_spec(fx_vitbal.BalanceConfig(trigger_threshold=0.0), QuadraticCost())
     plan_args = (pixels, grid, 2, spec, world, "0")
-    balanced_grid, routing = ops.plan(*plan_args)
+    balanced_grid, routing = planning.plan(*plan_args)
     assert bool(routing[0]), "the plan must move something for this test to mean anything"
     rows = int(balanced_grid.prod(-1).sum())
     # One pre-merger output (a row per pixel row) and one merged (a row per 2x2 block), together.
@@ -46,7 +47,7 @@ def _opcheck_all(rank: int, world: int) -> list[str]:
         utils = PLAN_CHECKS if op is torch.ops.vitbal.plan.default else DEFAULT_CHECKS
         torch.library.opcheck(op, args, test_utils=utils)  # raises on any failure
         checked.append(str(op))
-    first, second = (Routing.of(ops.plan(*plan_args)[1]) for _ in range(2))
+    first, second = (Routing.of(planning.plan(*plan_args)[1]) for _ in range(2))
     assert second.step == first.step + 1
     assert dataclasses.replace(second, step=first.step) == first
     return checked

@@ -8,8 +8,9 @@ from dist_utils import assert_units_moved, fullgraph_capture, record_moves, run_
 from expecttest import TestCase
 
 from fx_vitbal import BalanceConfig
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.tools.models import ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel
 
 # Fixed group and world size: they are literals in the rewritten graph.
 FIXED = {"group_name": "0", "world_size": 2}
@@ -50,8 +51,8 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     visual_1 = self.visual
-    in_balancing_mode = fx_vitbal_encoder_in_balancing_mode(visual_1, 'training')
-    layout_token = fx_vitbal_encoder_layout_token(visual_1);  visual_1 = None
+    in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
+    layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
     plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token);  image_grid_thw = in_balancing_mode = layout_token = None
     getitem_10 = plan_default[0]
     getitem_11 = plan_default[1];  plan_default = None
@@ -62,10 +63,10 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     getitem_14 = visual[2];  visual = None
     getitem_15 = getitem_14[0];  getitem_14 = None
     size = getitem_12.size(0);  getitem_12 = None
-    output_block_rows = fx_vitbal_ops_output_block_rows([getitem_13, getitem_15], size, 4);  size = None
+    output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_13, getitem_15], size, 4);  size = None
     size_1 = pixel_values.size(0);  pixel_values = None
-    home_rows = fx_vitbal_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
-    no_backward_will_come = fx_vitbal_ops_no_backward_will_come([getitem_13, getitem_15])
+    home_rows = fx_vitbal_runtime_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
+    no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_13, getitem_15])
     restore_default = torch.ops.vitbal.restore.default([getitem_13, getitem_15], getitem_11, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_13 = getitem_15 = getitem_11 = output_block_rows = home_rows = no_backward_will_come = None
     getitem_16 = restore_default[0]
     getitem_17 = restore_default[1];  restore_default = None
@@ -97,8 +98,8 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     visual_1 = self.visual
-    in_balancing_mode = fx_vitbal_encoder_in_balancing_mode(visual_1, 'training')
-    layout_token = fx_vitbal_encoder_layout_token(visual_1);  visual_1 = None
+    in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
+    layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
     plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token);  in_balancing_mode = layout_token = None
     getitem_10 = plan_default[0]
     getitem_11 = plan_default[1];  plan_default = None
@@ -107,14 +108,14 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     visual = self.visual(getitem_12, getitem_10);  getitem_10 = None
     getitem_13 = visual[0];  visual = None
     size = getitem_12.size(0);  getitem_12 = None
-    output_block_rows = fx_vitbal_ops_output_block_rows([getitem_13], size, 4);  size = None
+    output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_13], size, 4);  size = None
     size_1 = pixel_values.size(0);  pixel_values = None
-    home_rows = fx_vitbal_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
-    no_backward_will_come = fx_vitbal_ops_no_backward_will_come([getitem_13])
+    home_rows = fx_vitbal_runtime_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
+    no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_13])
     restore_default = torch.ops.vitbal.restore.default([getitem_13], getitem_11, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_13 = getitem_11 = output_block_rows = home_rows = no_backward_will_come = None
     getitem_14 = restore_default[0];  restore_default = None
     visual_2 = self.visual
-    regenerate_window_index = fx_vitbal_encoder_regenerate_window_index(visual_2, image_grid_thw);  visual_2 = image_grid_thw = None
+    regenerate_window_index = fx_vitbal_runtime_vits_regenerate_window_index(visual_2, image_grid_thw);  visual_2 = image_grid_thw = None
     argsort = torch.argsort(regenerate_window_index);  regenerate_window_index = None
     unflatten = getitem_14.unflatten(0, (-1, 4));  getitem_14 = None
     getitem_2 = unflatten[argsort];  unflatten = argsort = None

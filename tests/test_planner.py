@@ -15,17 +15,14 @@ from hypothesis import strategies as st
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
-from fx_vitbal.planner import (
-    MAKESPAN_SLACK,
-    _best_fit,
-    _best_step,
-    _cap_unkeepable,
-    _place,
-    _Units,
-    imbalance,
-    solve_plan,
-)
-from fx_vitbal.workloads import sample_batches
+from fx_vitbal.plan.greedy import _best_step
+from fx_vitbal.plan.greedy import place as _place
+from fx_vitbal.plan.min_move import best_fit as _best_fit
+from fx_vitbal.plan.solve import MAKESPAN_SLACK, solve_plan
+from fx_vitbal.plan.units import Units as _Units
+from fx_vitbal.plan.units import cap_unkeepable as _cap_unkeepable
+from fx_vitbal.plan.units import imbalance
+from fx_vitbal.tools.workloads import sample_batches
 
 REASONS = {"applied", "balanced", "no-gain", "cap", "dominant-unit", "single-rank", "empty"}
 QWEN2_VL_7B = ArchitectureCost(hidden=1280, mlp_hidden=5120, depth=32, in_dim=1176, out_dim=3584)
@@ -288,7 +285,12 @@ def test_min_move_keeps_every_unit_home_when_home_is_within_the_slack(case):
     lpt = plan_of(case, strategy="lpt")
     if max(lpt.loads_before) > makespan(lpt) * (1 + MAKESPAN_SLACK) * (1 - 1e-9):
         return
-    assert plan_of(case, strategy="min-move").moved_tokens == 0
+    min_move = plan_of(case, strategy="min-move")
+    # A plan within the slack of the lower bound is taken before LPT runs (solve_plan's
+    # documented trade-off): with min_gain=0 it may move rows where home trails LPT by < 1%.
+    if makespan(min_move) <= lower_bound(case) * (1 + MAKESPAN_SLACK):
+        return
+    assert min_move.moved_tokens == 0
 
 
 @PROPERTY_SETTINGS
@@ -684,7 +686,7 @@ def test_destinations_invert_the_assignment():
             assert dest[src][idx] == d
 
 
-# Node-aware planning (``BalanceConfig.ranks_per_node``, ``fx_vitbal.nodes``).
+# Node-aware planning (``BalanceConfig.ranks_per_node``, ``fx_vitbal.plan.nodes``).
 
 NODE_CONFIGS = st.builds(
     dataclasses.replace, CONFIGS, ranks_per_node=st.sampled_from([None, 1, 2, 3, 4, 16])

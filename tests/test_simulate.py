@@ -1,11 +1,11 @@
-"""``python -m fx_vitbal.simulate`` prints self-consistent numbers and draws its plot."""
+"""``python -m fx_vitbal.tools.simulate`` prints self-consistent numbers and draws its plot."""
 
 import re
 
 import pytest
 
 from fx_vitbal import BalanceConfig
-from fx_vitbal.simulate import main, simulate
+from fx_vitbal.tools.simulate import main, simulate
 
 
 def _run(capsys, *argv: str) -> dict[str, str]:

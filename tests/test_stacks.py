@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import fx_vitbal
-from fx_vitbal.models import LMConfig, OmniEncoderModel, ViTConfig, make_inputs
+from fx_vitbal.tools.models import ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 # Per step, each rank's grids. Step 0: rank 1 has no image and takes work; step 1: no image
 # anywhere (the ViT's parameters must still get their zero gradients, or DDP fails the next step);

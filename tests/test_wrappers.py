@@ -10,9 +10,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 import fx_vitbal
-from fx_vitbal.encoder import find_vit, unwrap_module
-from fx_vitbal.models import LMConfig, OmniEncoderModel, QwenStyleViT, ViTConfig
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.runtime.vits import find_vit, unwrap_module
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel
 
 GRIDS = [[[1, 16, 12], [2, 4, 6], [1, 4, 4]], []]
 

@@ -37,15 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.cost import ArchitectureCost, choose_cost_model
-from fx_vitbal.encoder import (
-    balancing_active,
-    group_name_and_size,
-    layout_token,
-    run_balanced,
-)
-from fx_vitbal.exchange import planner_spec
-from fx_vitbal.metadata import PROBLEMS, describe_problem
+from fx_vitbal.cost.static import ArchitectureCost
+from fx_vitbal.runtime.call import run_balanced
+from fx_vitbal.runtime.metadata import PROBLEMS, describe_problem
+from fx_vitbal.runtime.settings import active_group, layout_token, planner_spec_for
+from fx_vitbal.runtime.vits import EntryPoint, register_entry_point
 
 # Popped by transformers.vision_utils helpers; they describe the pre-balance packed batch.
 PRECOMPUTED_KWARGS = (
@@ -161,8 +157,8 @@ def enable_hf_vit_balance(
     ):
         tower = model.get_encoder(modality="image")
     rule = tower_rule(tower)
-    cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture_cost(tower))
-    tower._vitbal_hf = _Balance(config, group, planner_spec(config, cost_model), rule)
+    planner = planner_spec_for(config, architecture_cost(tower), frame_independent=True)
+    tower._vitbal_hf = _Balance(config, group, planner, rule)
     layout_token(tower)  # made now, so graphs traced later read it as a constant
     original = getattr(tower, "_vitbal_original_forward", tower.forward)
     tower._vitbal_original_forward = original
@@ -220,8 +216,8 @@ def architecture_cost(tower: nn.Module) -> ArchitectureCost:
 
 def _balanced_forward(tower, original, hidden_states, grid_thw, vitbal_problem=0, **kwargs):
     config, group, planner, _ = tower._vitbal_hf
-    dist_info = group_name_and_size(group)
-    if not (dist_info is not None and balancing_active(tower, config)):
+    dist_info = active_group(tower, config, group)
+    if dist_info is None:
         return original(hidden_states, grid_thw=grid_thw, **kwargs)
     # Problems found here raise on every rank, through the plan (never here, alone).
     problem = vitbal_problem
@@ -260,7 +256,7 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     the ``vitbal`` backend refuses graphs that do (an unwrapped VLM).
     """
     config, group, _, rule = tower._vitbal_hf
-    active = group_name_and_size(group) is not None and balancing_active(tower, config)
+    active = active_group(tower, config, group) is not None
     kwargs = {**dict(zip(params[: len(args)], args, strict=True)), **kwargs}
     if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):
         return None
@@ -334,3 +330,17 @@ def _class_name(module: nn.Module) -> str:
         if cls.__module__.startswith("transformers."):
             return cls.__name__
     return type(module).__name__
+
+
+def tower_files() -> dict[str, str]:
+    """The modeling files of the supported towers imported so far -> their class name."""
+    files = {}
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("transformers.models."):
+            for name in SUPPORTED_TOWERS:
+                if hasattr(module, name):
+                    files[inspect.getsourcefile(getattr(module, name))] = name
+    return files
+
+
+register_entry_point(EntryPoint(__file__, is_hf_model, enable_hf_vit_balance, tower_files))

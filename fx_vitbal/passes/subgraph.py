@@ -28,8 +28,8 @@ import operator
 import torch
 from torch import fx, nn
 
-from fx_vitbal.encoder import is_vision_encoder_class
-from fx_vitbal.ops import home_rows, no_backward_will_come, output_block_rows
+from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
+from fx_vitbal.runtime.vits import is_vision_encoder_class
 
 _PLAN = torch.ops.vitbal.plan.default
 _REDISTRIBUTE = torch.ops.vitbal.redistribute.default
@@ -51,7 +51,7 @@ def insert_plan_and_redistribute(
     """Add ``plan`` and ``redistribute`` at the insertion point; return the balanced pixels,
     the balanced grid and the routing (shared by both kinds of ViT call). ``active`` (balancing
     on for this call) is a node when the graph decides it as it runs; ``layout_token`` names the
-    ViT for its agreed output layouts (``encoder.layout_token``)."""
+    ViT for its agreed output layouts (``settings.layout_token``)."""
     args = (pixels, grid, merge, planner, world_size, group_name, active, layout_token)
     plan = graph.call_function(_PLAN, args)
     grid_b = graph.call_function(operator.getitem, (plan, 0))
@@ -89,7 +89,7 @@ def rewrite_subgraph_call(
     """Insert plan -> redistribute before ``node`` and restore after it (see module doc).
 
     ``active`` is decided when the backend compiles: dynamo guards the ViT's training flag, so
-    toggling it compiles another graph. ``layout_token``: the ViT's (``encoder.layout_token``).
+    toggling it compiles another graph. ``layout_token``: the ViT's (``settings.layout_token``).
 
     Raises:
         ValueError: operands or outputs the rewrite cannot place (see module doc).

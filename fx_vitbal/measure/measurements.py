@@ -1,9 +1,9 @@
 """Measured times in the loop: what each rank reports in the metadata header, the models every
 rank fits from the gathered reports (``cost_model="online"``), and per-step ``BalanceStats``.
 
-Per balanced call, on every rank (``ops.solve_for_rank``):
+Per balanced call, on every rank (``planning.solve_for_rank``):
 1. ``Measurements.report()``: this rank's newest completed, not yet reported call (a
-   ``timing.StepClock``) as ``REPORT_FIELDS`` int64s that ride in the metadata header the plan
+   ``clock.StepClock``) as ``REPORT_FIELDS`` int64s that ride in the metadata header the plan
    gathers anyway (no extra collective): ``[step, ViT ns, exchange ns, exchange bytes, output
    bytes per pixel row]``; all zero when there is none (0 = no timing).
 2. ``Measurements.observe(gathered)``: every rank feeds the same gathered reports to the same
@@ -11,7 +11,7 @@ Per balanced call, on every rank (``ops.solve_for_rank``):
    the units that rank computed in that step, rebuilt from that step's plan (kept for
    ``HISTORY`` steps): the same integers on every rank, pure-Python fits, so the same bits.
 3. The plan is solved with the fitted model (online) and, once both fits have data, with the
-   exchange trade-off (``planner.worth_moving``); then ``Measurements.begin`` keeps the units
+   exchange trade-off (``plan.worth_moving``); then ``Measurements.begin`` keeps the units
    each rank computes and starts this rank's clock, and ``BalanceStats`` go to the callbacks.
 
 State lives per (process group name, planner spec): the spec names the online settings (prior,
@@ -24,16 +24,12 @@ import logging
 import threading
 from collections.abc import Callable
 
-import torch
-from torch.utils.hooks import RemovableHandle
-
-from fx_vitbal.cost import OnlineCost
-from fx_vitbal.exchange import parse_planner_spec
-from fx_vitbal.exchange_time import ExchangeFit, ExchangeModel
-from fx_vitbal.metadata import DTYPES, REPORT_FIELDS
-from fx_vitbal.online import FittedCost, OnlineFit
-from fx_vitbal.planner import Plan
-from fx_vitbal.timing import StepClock
+from fx_vitbal.cost.exchange_time import ExchangeFit, ExchangeModel
+from fx_vitbal.cost.online import FittedCost, OnlineFit
+from fx_vitbal.cost.static import CostModel, OnlineCost
+from fx_vitbal.measure.clock import StepClock
+from fx_vitbal.measure.stats import BalanceStats, has_callbacks
+from fx_vitbal.plan.units import Plan, plan_crossing_rows
 
 log = logging.getLogger(__name__)
 
@@ -41,63 +37,9 @@ Unit = tuple[int, int, int]
 
 HISTORY = 8
 """Steps whose computed units are kept: a report for an older step is dropped."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BalanceStats:
-    """One balanced ViT call, as data (every rank gets the same values except ``rank``).
-
-    Times are seconds. ``measured_*`` describe earlier calls: each rank's newest timed call,
-    ``measured_steps[r]`` (0: rank ``r`` reported none), which is usually the previous step.
-    """
-
-    step: int
-    """This call's number (1, 2, ...) for this ViT's settings on this group."""
-    rank: int
-    applied: bool
-    reason: str
-    """``Plan.reason``; ``exchange`` when the predicted exchange outweighed the saving."""
-    imbalance_before: float
-    """Predicted ``max/mean - 1`` of per-rank cost without and with the plan."""
-    imbalance_after: float
-    moved_rows: int
-    total_rows: int
-    inter_node_rows: int
-    """Pixel rows computed on another node than their own (``Plan.inter_node_tokens``; 0
-    without ``BalanceConfig.ranks_per_node``). Bytes: times the pixel and output row sizes."""
-    predicted_seconds: list[float] | None
-    """Per rank, this call's ViT forward + backward under the fitted model (online only, once
-    the fit has ``online.MIN_OBSERVATIONS`` rank-steps and no longer blends in the prior)."""
-    predicted_exchange_seconds: float | None
-    """This plan's exchanges (forward and backward) under the exchange model, once fitted."""
-    measured_steps: list[int]
-    measured_seconds: list[float | None]
-    """Per rank, the measured ViT forward + backward of call ``measured_steps[r]``."""
-    measured_predicted_seconds: list[float | None]
-    """What the model predicted for those same calls when they were planned (online only)."""
-    measured_exchange_seconds: list[float | None]
-    """Per rank, the timed forward exchanges of those calls (None: nothing moved)."""
-    coefficients: tuple[float, float, float, float] | None
-    """Online model ``(a, b, c, d)``: seconds per attention pair, token, unit, call."""
-    exchange_latency: float | None
-    exchange_bandwidth: float | None
-    """Bytes per second of the fitted exchange model."""
-
-
-_CALLBACKS: "collections.OrderedDict[int, Callable[[BalanceStats], None]]" = (
-    collections.OrderedDict()  # RemovableHandle needs a weakref-able dict
-)
-
-
-def add_stats_callback(fn: Callable[[BalanceStats], None]) -> RemovableHandle:
-    """Call ``fn(stats)`` after every balanced call's plan, on every rank (where the plan is
-    made: in the step, or in the thread that runs ``plan_ahead``). Returns a handle whose
-    ``remove()`` unregisters it. Send what rank 0 gets to TensorBoard or wandb, e.g.
-    ``lambda s: s.rank == 0 and writer.add_scalar("vit/imbalance", s.imbalance_after, s.step)``.
-    """
-    handle = RemovableHandle(_CALLBACKS)
-    _CALLBACKS[handle.id] = fn
-    return handle
+# This rank's report of an earlier call, as it rides in the metadata header
+# (``runtime.metadata``): [step, ViT ns, exchange ns, exchange bytes, output bytes per pixel row].
+REPORT_FIELDS = 5
 
 
 @dataclasses.dataclass
@@ -178,19 +120,18 @@ class Measurements:
         """The online model to plan with (None: plan with the spec's model)."""
         return self.fit.model if self.fit is not None else None
 
-    def exchange_model(self, row_numel: int, dtype_code: int, pixels_need_grad: bool):
+    def exchange_model(self, pixel_bytes_per_row: int, pixels_need_grad: bool):
         """The fitted ``ExchangeModel`` once both the ViT time and the exchanges have been
         measured (costs are then seconds), else None (the FLOP-era rule decides)."""
         if self.fit is None or not self.fit.model.num_observations or self.exchange is None:
             return None
-        if self.exchange.coeffs is None or not row_numel:
+        if self.exchange.coeffs is None or not pixel_bytes_per_row:
             return None
         latency, spb = self.exchange.coeffs
-        element = torch.empty(0, dtype=DTYPES[dtype_code]).element_size()
         return ExchangeModel(
             latency=latency,
             seconds_per_byte=spb,
-            pixel_bytes_per_row=row_numel * element,
+            pixel_bytes_per_row=pixel_bytes_per_row,
             output_bytes_per_row=self.output_bytes_per_row,
             pixels_need_grad=pixels_need_grad,
         )
@@ -217,19 +158,10 @@ class Measurements:
             while len(self._history) > HISTORY:
                 self._history.popitem(last=False)
             clock = None
-            if self.fit is not None or _CALLBACKS:
+            if self.fit is not None or has_callbacks():
                 clock = StepClock(step, self._clocks)
                 self._clocks.append(clock)
         return step, clock
-
-    def defer(self, call_id: int, note: str | None, make_stats) -> None:
-        """Keep what call ``call_id`` reports (``note``, the verbose line; ``make_stats()``, its
-        ``BalanceStats``) until ``publish(call_id)``: user code runs only after the call's last
-        collective."""
-        with _DEFERRED_LOCK:
-            _DEFERRED[call_id] = (note, make_stats)
-            while len(_DEFERRED) > 4 * HISTORY:  # calls whose restore never ran
-                _DEFERRED.popitem(last=False)
 
     def stats(self, step, rank, plan, units_R, measured, exchange) -> BalanceStats:
         model = self.cost_model()
@@ -239,7 +171,7 @@ class Measurements:
             coeffs = tuple(model.coeffs)
         predicted_exchange = None
         if exchange is not None:
-            send, recv = crossing_rows(plan, units_R)
+            send, recv = plan_crossing_rows(plan, units_R)
             predicted_exchange = exchange.step_seconds(send, recv) if plan.applied else 0.0
         fitted = self.exchange.coeffs if self.exchange is not None else None
         return BalanceStats(
@@ -264,58 +196,20 @@ class Measurements:
         )
 
 
-def crossing_rows(plan: Plan, units_R: list[list[Unit]]) -> tuple[list[int], list[int]]:
-    """Per rank, pixel rows it sends to other ranks and receives from them under ``plan``."""
-    world = len(units_R)
-    send, recv = [0] * world, [0] * world
-    for d, assigned in enumerate(plan.assignment):
-        for src, idx in assigned:
-            if src != d:
-                t, h, w = units_R[src][idx]
-                send[src] += t * h * w
-                recv[d] += t * h * w
-    return send, recv
-
-
 _STATES: dict[tuple[str, str], Measurements] = {}
 _STATES_LOCK = threading.Lock()
 
 
-def measurements_for(group_name: str, planner: str) -> Measurements:
-    """The state of the ViT planned with ``planner`` (``exchange.planner_spec``) on
-    ``group_name``, created on first use."""
+def measurements_for(
+    group_name: str, planner: str, cost_model: Callable[[], CostModel]
+) -> Measurements:
+    """The state of the ViT planned with ``planner`` (``runtime.settings.planner_spec``) on
+    ``group_name``, created on first use with the spec's ``cost_model()``."""
     key = (group_name, planner)
     with _STATES_LOCK:
         if key not in _STATES:
-            _STATES[key] = Measurements(parse_planner_spec(planner)[1])
+            _STATES[key] = Measurements(cost_model())
         return _STATES[key]
-
-
-_DEFERRED: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
-_DEFERRED_LOCK = threading.Lock()
-_FAILED: set[int] = set()  # callbacks whose exception was logged already
-
-
-def publish(call_id: int) -> None:
-    """Print call ``call_id``'s verbose line and give the callbacks its statistics (built
-    only if some callback listens: they walk every rank's units). Called after the call's last
-    forward collective; a callback that raises is logged (with its traceback, once per
-    callback) and never reaches the exchange."""
-    with _DEFERRED_LOCK:
-        note, make_stats = _DEFERRED.pop(call_id, (None, None))
-    if note is not None:
-        print(note, flush=True)
-    callbacks = list(_CALLBACKS.items())
-    if make_stats is None or not callbacks:
-        return
-    stats = make_stats()
-    for handle_id, fn in callbacks:
-        try:
-            fn(stats)
-        except Exception:
-            if handle_id not in _FAILED:
-                _FAILED.add(handle_id)
-                log.exception("vit dp balance: stats callback %r raised; it keeps being called", fn)
 
 
 def reset() -> None:

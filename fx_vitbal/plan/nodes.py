@@ -15,7 +15,7 @@ realistic mix, 9-10% of the work where ranks shed 20-27% of the rows).
 Two levels in one pass, aiming at exactly node-blind min-move's per-rank target ``accept`` (so
 the makespan stays the same):
 
-1. every rank above ``accept`` sheds as in min-move (``planner._shed``);
+1. every rank above ``accept`` sheds as in min-move (``min_move.shed_over_target``);
 2. each node gets an import budget: its ranks' room below ``accept`` minus what they shed (the
    node level: negative means the node must export, positive how much it can take);
 3. best-fit decreasing over all shed units, with tiers: the fullest rank of the unit's own node
@@ -36,17 +36,15 @@ weighs both (there, an inter-node row counts ``INTER_NODE_WEIGHT`` moved rows).
 import bisect
 import math
 
-from fx_vitbal.planner import (
-    _best_fit,
-    _Candidate,
-    _candidate,
-    _inter_node_rows,
-    _min_move,
-    _moved,
-    _refine,
-    _rooms,
-    _shed,
-    _Units,
+from fx_vitbal.plan.greedy import refine
+from fx_vitbal.plan.min_move import best_fit, min_move, shed_over_target
+from fx_vitbal.plan.units import (
+    Candidate,
+    Units,
+    inter_node_rows,
+    make_candidate,
+    moved_rows,
+    row_rooms,
 )
 
 # Moving a row across nodes costs this many times moving it inside a node: NVLink 4 gives an H100
@@ -54,45 +52,45 @@ from fx_vitbal.planner import (
 INTER_NODE_WEIGHT = 8.0
 
 
-def traffic(dest: list[int], units: _Units, ranks_per_node: int) -> float:
+def traffic(dest: list[int], units: Units, ranks_per_node: int) -> float:
     """What ``solve_plan`` minimizes among plans within the makespan slack: rows moved, an
     inter-node row weighing ``INTER_NODE_WEIGHT`` intra-node ones."""
-    inter = _inter_node_rows(dest, units, ranks_per_node)
-    return _moved(dest, units) + (INTER_NODE_WEIGHT - 1.0) * inter
+    inter = inter_node_rows(dest, units, ranks_per_node)
+    return moved_rows(dest, units) + (INTER_NODE_WEIGHT - 1.0) * inter
 
 
 def node_min_move(
-    units: _Units,
+    units: Units,
     order: list[int],
     base: list[float],
     cap: float,
     accept: float,
     ranks_per_node: int,
-) -> list[_Candidate]:
+) -> list[Candidate]:
     """min-move that keeps moves inside nodes (module docstring); same arguments as
-    ``planner._min_move`` plus ``ranks_per_node``.
+    ``min_move.min_move`` plus ``ranks_per_node``.
 
     Returns the node-aware candidate, and node-blind min-move's too when the node-aware one ends
     above ``accept``."""
     candidate = node_shed_and_place(units, base, cap, accept, ranks_per_node)
     if max(candidate.loads) <= accept:
         return [candidate]
-    return [candidate, _min_move(units, order, base, cap, accept)]
+    return [candidate, min_move(units, order, base, cap, accept)]
 
 
 def node_shed_and_place(
-    units: _Units,
+    units: Units,
     base: list[float],
     cap: float,
     accept: float,
     ranks_per_node: int,
     repair: bool = True,
-) -> _Candidate:
+) -> Candidate:
     """The node-aware attempt alone (steps 1-5 of the module docstring, step 5 only with
     ``repair``): no global order, so ``solve_plan`` can aim it at the lower bound before any LPT
     runs. It does so without the repair, which is slow where it fails (at 2048 ranks, the bound
     out of reach: ~0.1 s) and the full path runs it anyway."""
-    shed, dest, loads, rank_tokens, rank_units = _shed(units, base, cap, accept)
+    shed, dest, loads, rank_tokens, rank_units = shed_over_target(units, base, cap, accept)
     start = (dest[:], loads[:], rank_tokens[:], rank_units[:])
     misfits = _best_fit_nodes_first(
         shed, dest, loads, rank_tokens, rank_units, units, cap, accept, ranks_per_node
@@ -104,8 +102,8 @@ def node_shed_and_place(
         misfits = _best_fit_nodes_first(
             again, dest, loads, rank_tokens, rank_units, units, cap, accept, ranks_per_node
         )
-    _best_fit(misfits, dest, loads, rank_tokens, rank_units, units, cap, accept)
-    candidate = _refine(dest, units, base, cap, accept, units.num_ranks)
+    best_fit(misfits, dest, loads, rank_tokens, rank_units, units, cap, accept)
+    candidate = refine(dest, units, base, cap, accept, units.num_ranks)
     if repair and max(candidate.loads) > accept:
         candidate = _repair(candidate, units, base, cap, accept, ranks_per_node)
     return candidate
@@ -117,7 +115,7 @@ def _best_fit_nodes_first(
     loads: list[float],
     rank_tokens: list[int],
     rank_units: list[int],
-    units: _Units,
+    units: Units,
     cap: float,
     limit: float,
     ranks_per_node: int,
@@ -125,7 +123,7 @@ def _best_fit_nodes_first(
     """Best-fit decreasing in three tiers: the unit's own node, then nodes with import budget
     left, then any rank (module docstring, steps 2-3). Each tier takes the fullest rank whose
     load stays at most ``limit`` and whose rows stay under the cap; ties go to the highest rank
-    (``planner._best_fit``'s order). Mutates its arguments.
+    (``min_move.best_fit``'s order). Mutates its arguments.
 
     Returns the units no rank could take within ``limit``, in ``order``."""
     num_ranks = len(loads)
@@ -138,7 +136,7 @@ def _best_fit_nodes_first(
         budget[src[u] // ranks_per_node] -= cost[u]
     by_load = sorted((load, r) for r, load in enumerate(loads))
     by_node = [sorted((loads[r], r) for r in ranks) for ranks in node_ranks]
-    room = _rooms(rank_tokens, rank_units, cap)
+    room = row_rooms(rank_tokens, rank_units, cap)
     misfits = []
     for u in order:
         need, home = tokens[u], src[u] // ranks_per_node
@@ -189,13 +187,13 @@ _REPAIR_SCAN = 64
 
 
 def _repair(
-    candidate: _Candidate,
-    units: _Units,
+    candidate: Candidate,
+    units: Units,
     base: list[float],
     cap: float,
     accept: float,
     ranks_per_node: int,
-) -> _Candidate:
+) -> Candidate:
     """Bring ranks above ``accept`` down to it: move one of their units to a rank with room for
     it, or swap it for a cheaper unit of any rank with room for the difference.
 
@@ -259,7 +257,7 @@ def _repair(
                 loads[to] += cost[k]
                 rank_tokens[frm] -= tokens[k]
                 rank_tokens[to] += tokens[k]
-    return _candidate(dest, units, base, cap)
+    return make_candidate(dest, units, base, cap)
 
 
 def _repair_steps(

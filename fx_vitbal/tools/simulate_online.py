@@ -1,6 +1,6 @@
 """The online cost model against fixed ones, on synthetic per-rank timings (no ViT, no group).
 
-Each step samples every rank's images (``fx_vitbal.workloads``), plans them with a cost model,
+Each step samples every rank's images (``fx_vitbal.tools.workloads``), plans them with a cost model,
 "measures" each rank's ViT time with a known true time function (``TrueTime``: a ViT whose time
 departs from its FLOPs, plus noise and occasional stragglers) and, for the online models, feeds
 those timings into the fit, as the runtime does with measured times. The balance of a step is
@@ -8,7 +8,7 @@ those timings into the fit, as the runtime does with measured times. The balance
 
 Two true times (``TRUTHS``): one departing from the FLOPs, one proportional to them.
 
-    python -m fx_vitbal.simulate_online --ranks 16 --steps 40 --seeds 5
+    python -m fx_vitbal.tools.simulate_online --ranks 16 --steps 40 --seeds 5
 """
 
 import argparse
@@ -18,12 +18,13 @@ import statistics
 from collections.abc import Sequence
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.cost import CostModel, OnlineCost, QuadraticCost
-from fx_vitbal.exchange import cost_units, split_units
-from fx_vitbal.online import OnlineFit, Unit
-from fx_vitbal.planner import solve_plan
-from fx_vitbal.simulate import QWEN2_VL_7B
-from fx_vitbal.workloads import sample_batches
+from fx_vitbal.cost.online import OnlineFit, Unit
+from fx_vitbal.cost.static import CostModel, OnlineCost, QuadraticCost
+from fx_vitbal.plan.solve import solve_plan
+from fx_vitbal.runtime.planning import cost_units
+from fx_vitbal.runtime.routing import split_units
+from fx_vitbal.tools.simulate import QWEN2_VL_7B
+from fx_vitbal.tools.workloads import sample_batches
 
 MODELS = ("quadratic", "architecture", "online-quadratic", "online-architecture", "oracle")
 # Always plan (no trigger, no minimum gain): the table compares cost models, not skip rules.

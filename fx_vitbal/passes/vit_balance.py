@@ -18,21 +18,23 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.encoder import (
-    find_vit,
-    group_name_and_size,
-    in_balancing_mode,
-    is_balanced_in_place,
-    layout_token,
-    planner_for,
-    regenerate_window_index,
-    unwrap_module,
-)
-from fx_vitbal.ops import home_rows, no_backward_will_come, output_block_rows
 from fx_vitbal.passes.subgraph import (
     insert_plan_and_redistribute,
     rewrite_subgraph_call,
     vit_subgraph_calls,
+)
+from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
+from fx_vitbal.runtime.settings import (
+    group_name_and_size,
+    in_balancing_mode,
+    layout_token,
+    planner_for,
+)
+from fx_vitbal.runtime.vits import (
+    find_vit,
+    is_balanced_in_place,
+    regenerate_window_index,
+    unwrap_module,
 )
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,10 @@
 """This rank's clock of one balanced ViT call: ViT forward + backward time and the time of the
-pixels' exchange, for the online cost model and the exchange model (``fx_vitbal.measured``).
+pixels' exchange, for the online cost model and the exchange model (``fx_vitbal.measure``).
 
 A clock exists only when something reads it (``cost_model="online"`` or a stats callback):
 without one, a balanced call installs no hook at all.
 
-Where the marks are taken (eager and in-place paths; ``encoder.run_balanced``):
+Where the marks are taken (eager and in-place paths; ``call.run_balanced``):
 - ViT forward: right before and right after the ViT call, i.e. between ``redistribute`` and
   ``restore`` (or around the local call when the plan moves nothing), on the device the ViT
   runs on (the balanced pixels'), whatever device the plan was made on;

@@ -127,7 +127,7 @@ class OnlineCost:
     """Settings of the cost model fitted online from measured per-rank ViT times.
 
     The fitted coefficients change every step, but every rank computes the same ones from the same
-    gathered timings (``fx_vitbal.online``), so what ranks must agree on, and what the planner
+    gathered timings (``fx_vitbal.cost.online``), so what ranks must agree on, and what the planner
     fingerprint names, is only this: the kind, the prior and the window. Called as a cost model it
     is its prior, which is what the fit starts from before any timing has arrived.
     """

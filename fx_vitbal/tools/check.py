@@ -14,11 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from fx_vitbal.encoder import (
-    plain_forward,
-    regenerate_window_index,
-    vision_encoder_spec,
-)
+from fx_vitbal.runtime.vits import plain_forward, regenerate_window_index, vision_encoder_spec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

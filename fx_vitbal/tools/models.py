@@ -1,4 +1,4 @@
-"""Reference models: a tiny Qwen-style vision tower and a tiny VLM around it.
+"""Reference model: a tiny Qwen-style vision tower written to the ViT contract.
 
 fx_vitbal moves whole images (or video frames) between data-parallel ranks before the ViT runs and
 moves the results back afterwards. That is only exact if the tower has the properties of the real
@@ -22,11 +22,7 @@ tokens squared (the benchmarks rely on this). Under ``torch.compile`` it runs on
 with a block-diagonal mask built from tensor ops only, so the no-window tower traces with
 ``fullgraph=True`` even when the row count is an unbacked size.
 
-``OmniEncoderModel`` is the parent: it calls ``self.visual`` once as a plain module call (the
-balancer intercepts that call or swaps the module), un-permutes windows, merges pre-merger rows
-with its ``projector``, scatters the image embeddings into the image placeholder tokens and adds
-deepstack features after the first LM blocks. Its forward is traceable
-by ``torch.fx`` with the tower as a leaf, and by dynamo without windows.
+The parent VLM around it is ``fx_vitbal.tools.omni``.
 """
 
 import dataclasses
@@ -35,16 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fx_vitbal.cost import ArchitectureCost
-from fx_vitbal.encoder import register_vision_encoder
+from fx_vitbal.cost.static import ArchitectureCost
+from fx_vitbal.runtime.vits import register_vision_encoder
 
-__all__ = [
-    "LMConfig",
-    "OmniEncoderModel",
-    "QwenStyleViT",
-    "ViTConfig",
-    "make_inputs",
-]
+__all__ = ["QwenStyleViT", "ViTConfig"]
 
 
 def _check_indexes(name: str, indexes: tuple[int, ...], depth: int) -> None:
@@ -102,33 +92,6 @@ class ViTConfig:
         _check_indexes("deepstack_indexes", self.deepstack_indexes, self.depth)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LMConfig:
-    """Shape of the tiny decoder LM in ``OmniEncoderModel``; ``hidden`` must equal the ViT's
-    ``out_dim``, and ``image_token_id`` marks the placeholder tokens that receive image rows."""
-
-    vocab_size: int = 64
-    hidden: int = 32
-    num_layers: int = 2
-    num_heads: int = 4
-    image_token_id: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden", "num_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.num_layers < 0:
-            raise ValueError(f"num_layers must be >= 0, got {self.num_layers!r}")
-        if self.hidden % self.num_heads:
-            raise ValueError(
-                f"hidden ({self.hidden}) must be divisible by num_heads ({self.num_heads})"
-            )
-        if not 0 <= self.image_token_id < self.vocab_size:
-            raise ValueError(
-                f"image_token_id must be in [0, {self.vocab_size}), got {self.image_token_id!r}"
-            )
-
-
 # Attention segments are either a list of row counts (eager: one attention call per segment) or a
 # boolean [N, N] block-diagonal mask (compiling: one dense call, no data-dependent Python).
 Segments = list[int] | Tensor
@@ -141,7 +104,7 @@ def _segments(ids: Tensor) -> Segments:
     return torch.unique_consecutive(ids, return_counts=True)[1].tolist()
 
 
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Attention of ``[heads, N, head_dim]`` tensors under a boolean ``mask``, written out: torch
     2.14's ``scaled_dot_product_attention`` cannot be traced by dynamo with an unbacked ``N``
     (it guards on ``N == 0``), and the same graph on every torch keeps snapshots stable."""
@@ -152,7 +115,7 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 def _attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
     """Attention of ``[heads, N, head_dim]`` tensors restricted to ``segments``."""
     if isinstance(segments, Tensor):
-        return _masked_attention(q, k, v, segments)
+        return masked_attention(q, k, v, segments)
     if not segments:
         # Empty batch: a zero-row attention keeps the parameters in the autograd graph.
         return F.scaled_dot_product_attention(q, k, v)
@@ -197,12 +160,12 @@ def _patch_layout(grid_thw: Tensor, num_patches: int, m: int) -> tuple[Tensor, T
     return frame_id, row, col
 
 
-def _gather_blocks(x: Tensor, index: Tensor, m: int) -> Tensor:
+def gather_blocks(x: Tensor, index: Tensor, m: int) -> Tensor:
     """Reorder rows of ``x`` by whole merge blocks of ``m*m`` rows, as ``index`` says."""
     return x.unflatten(0, (-1, m * m))[index].flatten(0, 1)
 
 
-class _Merger(nn.Module):
+class Merger(nn.Module):
     """Norm, then one row per merge block (m*m patches side by side), then an MLP."""
 
     def __init__(self, hidden: int, m: int, out_dim: int) -> None:
@@ -221,7 +184,7 @@ class _Merger(nn.Module):
         return self.mlp(self.norm(x).unflatten(0, (-1, self.m * self.m)).flatten(1))
 
 
-class _PreNormBlock(nn.Module):
+class PreNormBlock(nn.Module):
     """The layers of a pre-norm transformer block; subclasses say how attention is restricted."""
 
     def __init__(self, hidden: int, num_heads: int, mlp_hidden: int) -> None:
@@ -236,7 +199,7 @@ class _PreNormBlock(nn.Module):
         )
 
 
-class _VisionBlock(_PreNormBlock):
+class _VisionBlock(PreNormBlock):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__(config.hidden, config.num_heads, config.mlp_hidden)
 
@@ -268,9 +231,9 @@ class QwenStyleViT(nn.Module):
         self.blocks = nn.ModuleList(_VisionBlock(config) for _ in range(config.depth))
         m = config.spatial_merge_size
         if config.merged_output:
-            self.merger = _Merger(config.hidden, m, config.out_dim)
+            self.merger = Merger(config.hidden, m, config.out_dim)
         self.deepstack_mergers = nn.ModuleList(
-            _Merger(config.hidden, m, config.out_dim) for _ in config.deepstack_indexes
+            Merger(config.hidden, m, config.out_dim) for _ in config.deepstack_indexes
         )
 
     def _rotary(self, row: Tensor, col: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -336,7 +299,7 @@ class QwenStyleViT(nn.Module):
         if self.config.window_size is not None:
             window_index, window_lengths = self._window_index_and_lengths(image_grid_thw)
             x, cos, sin, frame_id = (
-                _gather_blocks(a, window_index, m) for a in (x, cos, sin, frame_id)
+                gather_blocks(a, window_index, m) for a in (x, cos, sin, frame_id)
             )
             arange = torch.arange(window_lengths.shape[0], device=x.device)
             window_id = torch.repeat_interleave(arange, window_lengths, output_size=num_patches)
@@ -354,124 +317,6 @@ class QwenStyleViT(nn.Module):
                 merger = self.deepstack_mergers[self.config.deepstack_indexes.index(i)]
                 deepstack.append(merger(x))
         return self.merger(x) if self.config.merged_output else x, window_index, deepstack
-
-
-class _DecoderBlock(_PreNormBlock):
-    def __init__(self, config: LMConfig) -> None:
-        super().__init__(config.hidden, config.num_heads, 4 * config.hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # Static unflatten sizes only, so torch.fx never has to trace a shape.
-        qkv = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1)).transpose(0, 2)
-        q, k, v = qkv.unbind(1)
-        causal = q.new_ones((q.shape[1], q.shape[1]), dtype=torch.bool).tril()
-        out = _masked_attention(q, k, v, causal)
-        x = x + self.proj(out.transpose(0, 1).flatten(1))
-        return x + self.mlp(self.norm2(x))
-
-
-class OmniEncoderModel(nn.Module):
-    """A tiny VLM: ``QwenStyleViT`` at ``self.visual`` feeding a small causal decoder LM.
-
-    ``forward(input_ids [L], pixel_values, image_grid_thw)`` takes one packed sequence without a
-    batch dim and returns logits ``[L, vocab_size]``. ``input_ids`` must hold exactly
-    ``N / m**2`` ``image_token_id`` tokens, which receive the image rows in order.
-    """
-
-    def __init__(self, vit_config: ViTConfig, lm_config: LMConfig) -> None:
-        super().__init__()
-        if lm_config.hidden != vit_config.out_dim:
-            raise ValueError(
-                f"lm_config.hidden ({lm_config.hidden}) must equal "
-                f"vit_config.out_dim ({vit_config.out_dim})"
-            )
-        self.vit_config = vit_config
-        self.lm_config = lm_config
-        # The attribute name matters: the balancer finds the tower as `visual`.
-        self.visual = QwenStyleViT(vit_config)
-        if not vit_config.merged_output:  # the tower returns pre-merger rows: merge them here
-            self.projector = _Merger(
-                vit_config.hidden, vit_config.spatial_merge_size, lm_config.hidden
-            )
-        self.embed = nn.Embedding(lm_config.vocab_size, lm_config.hidden)
-        self.layers = nn.ModuleList(_DecoderBlock(lm_config) for _ in range(lm_config.num_layers))
-        self.norm = nn.LayerNorm(lm_config.hidden)
-        self.lm_head = nn.Linear(lm_config.hidden, lm_config.vocab_size)
-
-    def encode_images(
-        self, pixel_values: Tensor, image_grid_thw: Tensor
-    ) -> tuple[Tensor, list[Tensor]]:
-        """Image embeddings and deepstack features, in input order, ``[N / m**2, hidden]`` each."""
-        # One plain module call: this is the call site the balancer intercepts.
-        vis = self.visual(pixel_values, image_grid_thw)
-        # Index the tuple instead of unpacking, and take sizes from the static config, so that
-        # torch.fx can trace this with the tower as a leaf (its output is then one Proxy).
-        config = self.vit_config
-        embeds = vis[0]
-        deepstack = [vis[2][k] for k in range(len(config.deepstack_indexes))]
-        if config.window_size is not None:
-            reverse = torch.argsort(vis[1])
-            m = 1 if config.merged_output else config.spatial_merge_size
-            embeds = _gather_blocks(embeds, reverse, m)
-            deepstack = [d[reverse] for d in deepstack]
-        if not config.merged_output:
-            embeds = self.projector(embeds)
-        return embeds, deepstack
-
-    def forward(self, input_ids: Tensor, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
-        """Logits ``[L, vocab_size]`` for one packed sequence."""
-        embeds, deepstack = self.encode_images(pixel_values, image_grid_thw)
-        mask = (input_ids == self.lm_config.image_token_id)[:, None]
-        h = self.embed(input_ids)
-        # Under autocast the tower's rows come out in bf16 while embeddings stay fp32 (HF's
-        # parents cast the same way).
-        h = h.masked_scatter(mask, embeds.to(h.dtype))
-        for k, layer in enumerate(self.layers):
-            h = layer(h)
-            if k < len(deepstack):
-                # Qwen3-VL deepstack: add features at the image positions. Scattering into zeros
-                # keeps every shape static (no h[mask]), which dynamo needs for fullgraph.
-                h = h + torch.zeros_like(h).masked_scatter(mask, deepstack[k].to(h.dtype))
-        return self.lm_head(self.norm(h))
-
-
-def make_inputs(
-    grids: list[list[int]],
-    *,
-    in_dim: int,
-    text_per_image: int = 3,
-    image_token_id: int = 3,
-    vocab_size: int = 64,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    spatial_merge_size: int = 2,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Random ``(input_ids, pixel_values, image_grid_thw)`` for the grids ``[[t, h, w], ...]``.
-
-    Each image gets ``text_per_image`` random text tokens (never ``image_token_id``) followed by
-    its ``t*h*w / m**2`` image tokens; with no grids the sequence is ``text_per_image`` text
-    tokens. Deterministic in ``seed`` without touching the global RNG.
-    """
-    m = spatial_merge_size
-    for grid in grids:
-        t, h, w = grid
-        if t < 1 or h < 1 or w < 1 or h % m or w % m:
-            raise ValueError(f"grid must be positive with h, w multiples of {m}, got {grid!r}")
-    gen = torch.Generator().manual_seed(seed)
-    grid_thw = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-    num_patches = int(grid_thw.prod(1).sum())
-    pixel_values = torch.randn(num_patches, in_dim, generator=gen, dtype=dtype)
-
-    def text(n: int) -> Tensor:
-        # Draw from the vocab minus one id, then shift past image_token_id to skip it.
-        ids = torch.randint(0, vocab_size - 1, (n,), generator=gen)
-        return ids + (ids >= image_token_id).long()
-
-    parts = [text(text_per_image)] if not grids else []
-    for t, h, w in grids:
-        parts.append(text(text_per_image))
-        parts.append(torch.full((t * h * w // (m * m),), image_token_id, dtype=torch.long))
-    return torch.cat(parts), pixel_values, grid_thw
 
 
 def _architecture_cost(vit: QwenStyleViT) -> ArchitectureCost:

@@ -21,16 +21,13 @@ balancing while still giving plausible results. The backend raises instead.
 import inspect
 import logging
 import re
-import sys
 
 import torch
 from torch import fx
 
-from fx_vitbal import encoder
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.encoder import registered_vision_encoders
-from fx_vitbal.integrations import hf
 from fx_vitbal.passes.vit_balance import apply_vit_balance_pass
+from fx_vitbal.runtime.vits import entry_points, registered_vision_encoders
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +105,12 @@ def _refuse_unbalanced_vit(gm: fx.GraphModule) -> None:
     their own frames cannot be told apart).
 
     Nodes are attributed by their stack traces: a frame's own module never appears in its module
-    stack. The wrappers run the ViT from ``fx_vitbal/encoder.py`` or ``integrations/hf.py``, so
-    a node with such a frame and neither file was never wrapped. (ViTs nobody registered cannot
+    stack. The wrappers run the ViT from their entry points' files (``fx_vitbal/encoder.py``,
+    ``integrations/hf.py``: ``runtime.vits.entry_points``), so a node with such a frame and none
+    of those files was never wrapped. (ViTs nobody registered cannot
     be recognized, and are not refused.)
     """
-    wrappers = (encoder.__file__, hf.__file__)
+    wrappers = [entry.source_file for entry in entry_points()]
     forwards, hf_files = _vit_code()
     for node in gm.graph.nodes:
         trace = node.meta.get("stack_trace") or ""
@@ -135,20 +133,17 @@ _FRAME = re.compile(r'File "(.+?)", line (\d+), in (\w+)')
 
 def _vit_code() -> tuple[list[tuple[str, int, int, str]], dict[str, str]]:
     """``(file, first line, last line, class name)`` of each registered ViT's ``forward``, and
-    the modeling files of the supported Hugging Face towers imported so far (file -> class)."""
+    the files of the ViT classes the entry points know (Hugging Face towers) -> class name."""
     forwards = []
     for cls in registered_vision_encoders():
         forward = inspect.unwrap(cls.forward)
         lines, first = inspect.getsourcelines(forward)
         last = first + len(lines) - 1
         forwards.append((inspect.getsourcefile(forward), first, last, cls.__qualname__))
-    hf_files = {}
-    for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("transformers.models."):
-            for name in hf.SUPPORTED_TOWERS:
-                if hasattr(module, name):
-                    hf_files[inspect.getsourcefile(getattr(module, name))] = name
-    return forwards, hf_files
+    known = {}
+    for entry in entry_points():
+        known.update(entry.vit_code())
+    return forwards, known
 
 
 def _require_dynamic_output_shapes(example_inputs) -> None:

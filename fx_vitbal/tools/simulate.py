@@ -2,7 +2,7 @@
 
 The sizes where ViT imbalance hurts most (hundreds to thousands of data-parallel ranks) cannot run
 on a workstation, but the planner is pure, deterministic Python: every rank would compute exactly
-the plan computed here. This samples per-rank image grids from ``fx_vitbal.workloads``, costs each
+the plan computed here. This samples per-rank image grids from ``tools.workloads``, costs each
 unit (a frame: Qwen-family towers attend per frame) with Qwen2-VL-7B's ViT dimensions, solves the
 plan as the runtime does, and reports imbalance, the predicted ViT speed-up (makespan before /
 after), the pixel rows moved and the planning time; ``--plot`` draws per-rank loads.
@@ -12,8 +12,8 @@ Speed-ups are always also judged by the architecture-aware model, the closest to
 ``--ranks-per-node 8`` plans node-aware and reports the rows and bytes crossing nodes, next to
 what node-blind planning of the same step would send.
 
-    python -m fx_vitbal.simulate --ranks 512 --images-per-rank 8 --plot load.png
-    python -m fx_vitbal.simulate --ranks 2048 --images-per-rank 8 --ranks-per-node 8
+    python -m fx_vitbal.tools.simulate --ranks 512 --images-per-rank 8 --plot load.png
+    python -m fx_vitbal.tools.simulate --ranks 2048 --images-per-rank 8 --ranks-per-node 8
 """
 
 import argparse
@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 
 from fx_vitbal.config import COST_MODELS, BalanceConfig, add_vit_balance_args
-from fx_vitbal.cost import (
+from fx_vitbal.cost.static import (
     ArchitectureCost,
     CostModel,
     OnlineCost,
@@ -30,9 +30,10 @@ from fx_vitbal.cost import (
     QuadraticCost,
     choose_cost_model,
 )
-from fx_vitbal.exchange import split_units
-from fx_vitbal.planner import Plan, imbalance, solve_plan
-from fx_vitbal.workloads import MIXES, sample_batches
+from fx_vitbal.plan.solve import solve_plan
+from fx_vitbal.plan.units import Plan, imbalance
+from fx_vitbal.runtime.routing import split_units
+from fx_vitbal.tools.workloads import MIXES, sample_batches
 
 # Qwen2-VL-7B vision_config: embed_dim 1280, mlp_ratio 4, depth 32, 3*2*14*14 inputs per patch,
 # merged into the LM's hidden size 3584; every layer attends over whole frames.
@@ -55,7 +56,7 @@ class Simulation:
     plan: Plan
     planner_cost: str
     """Cost model the planner used: ``architecture``, ``quadratic``, ``polynomial`` or ``online``
-    (its prior: a single step has no timings yet; ``fx_vitbal.simulate_online`` feeds some)."""
+    (its prior: a single step has no timings yet; ``tools.simulate_online`` feeds some)."""
     num_images: int
     num_units: int
     total_rows: int

@@ -20,193 +20,22 @@ Conventions (each one fixes a failure seen on torch 2.13):
 - Each move's backward is the opposite move (``redistribute`` <-> ``restore``).
 """
 
-import dataclasses
-import itertools
-
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from fx_vitbal import status, transfer
-from fx_vitbal.exchange import (
-    Routing,
-    as_blocks,
-    balanced_grid,
-    exchange,
-    from_blocks,
-    local_only_routing,
-    local_routing,
-    plan_units,
-    routing_size,
-    with_dummy,
-)
-from fx_vitbal.measured import measurements_for, publish
-from fx_vitbal.metadata import (
-    DTYPES,
+from fx_vitbal.measure.stats import publish
+from fx_vitbal.runtime import status, transfer
+from fx_vitbal.runtime.exchange import exchange
+from fx_vitbal.runtime.layouts import (
     agree_layouts,
+    as_agreed,
     check_output_layouts,
-    gather_grids,
-    layout_key,
     layouts_agreed,
-    output_layout,
-    row_numel,
-    settings_fingerprint,
 )
-from fx_vitbal.planner import Plan
-
-
-def resolve_group(group_name: str) -> dist.ProcessGroup:
-    """The process group registered under ``group_name``."""
-    return dist.distributed_c10d._resolve_process_group(group_name)
-
-
-@torch.library.custom_op("vitbal::plan", mutates_args=())
-def plan(
-    pixel_values: torch.Tensor,
-    grid_thw: torch.Tensor,
-    merge_size: int,
-    planner: str,
-    world_size: int,
-    group_name: str,
-    active: bool = True,
-    module_key: int = 0,
-    problem: int = 0,
-    grad_fixed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``.
-
-    The balanced grid lists this rank's units in arrival order (the original grid when the plan
-    is not applied), or the dummy unit ``[1, m, m]`` when there are none. ``planner`` is
-    ``exchange.planner_spec(config, cost_model)``; its fingerprint rides in the metadata, so
-    ranks with different settings all raise. ``active=False`` (balancing off for this call,
-    e.g. eval mode) gathers nothing: the local batch stays home and no collective runs in any op.
-    ``module_key`` names the ViT for its agreed output layouts (``metadata.layout_key``; 0 in
-    compiled graphs); ``problem`` is a ``metadata.PROBLEMS`` code the caller found, raised on
-    every rank; ``grad_fixed``: this call is compiled, so its pixels' ``requires_grad`` cannot
-    follow the other ranks'.
-    """
-    group = resolve_group(group_name)
-    if dist.get_world_size(group) != world_size:
-        raise ValueError(
-            f"world_size={world_size} but group {group_name!r} has {dist.get_world_size(group)} "
-            "ranks"
-        )
-    if not active:
-        units = max_units(pixel_values.shape[0], merge_size)
-        routing = local_only_routing(grid_thw.shape[0], world_size, merge_size)
-        if grid_thw.shape[0]:
-            return grid_thw.clone(), routing.to_tensor(units)
-        dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
-        return transfer.to_device(dummy, grid_thw.device), routing.to_tensor(units)
-    status.check(group_name)  # a step whose backward never ran: its outputs' verdict first
-    grid, routing, _ = solve_for_rank(
-        pixel_values, grid_thw, merge_size, planner, group, module_key, problem, grad_fixed
-    )
-    return grid, routing
-
-
-def solve_for_rank(
-    pixel_values: torch.Tensor,
-    grid_thw: torch.Tensor,
-    merge_size: int,
-    planner: str,
-    group: dist.ProcessGroup,
-    module_key: int = 0,
-    problem: int = 0,
-    grad_fixed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, Plan]:
-    """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
-    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``."""
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    # --- measured times (fx_vitbal.measured): report an earlier call in the header, fit from
-    # every rank's reports, plan with the fitted models. Ranks whose fits saw different calls
-    # would plan differently: the fingerprint covers the count, so they raise together instead.
-    state = measurements_for(group.group_name, planner)
-    fingerprint = settings_fingerprint(planner, merge_size, world_size, state.calls())
-    report = state.report()
-    dtype_code = DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1
-    key = layout_key(module_key, dtype_code, pixel_values.device.type)
-    ranks = group_ranks(group)
-    gathered = gather_grids(
-        pixel_values,
-        grid_thw,
-        merge_size,
-        group,
-        fingerprint,
-        report,
-        problem=problem,
-        grad_fixed=grad_fixed,
-        new_layout=layouts_agreed(ranks, key) is None,
-    )
-    measured = state.observe(gathered.reports_R)
-    exchange_model = state.exchange_model(
-        gathered.row_numel, gathered.dtype_code, gathered.pixels_need_grad
-    )
-    solved, units_R, note = plan_units(
-        gathered.grids_R,
-        rank,
-        planner,
-        cost_model=state.cost_model(),
-        exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
-    )
-    call_id = next(_CALL_IDS)
-    step, clock = state.begin(solved, units_R, merge_size)
-    routing = dataclasses.replace(
-        local_routing(solved, units_R, rank, merge_size),
-        any_units=any(units_R),
-        row_numel=gathered.row_numel,
-        dtype_code=gathered.dtype_code,
-        pixels_need_grad=gathered.pixels_need_grad,
-        step=call_id,
-        layout_key=key,
-        check_layouts=gathered.check_layouts,
-    )
-    rows = balanced_grid(solved, units_R, rank, merge_size)
-    if not solved.applied:  # the original batch (as gathered: no device read), or the dummy
-        rows = gathered.grids_R[rank] or rows
-    grid = transfer.to_device(torch.tensor(rows, dtype=grid_thw.dtype), grid_thw.device)
-    routing = routing.to_tensor(max_units(pixel_values.shape[0], merge_size))
-    routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
-    state.defer(
-        call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model)
-    )
-    if not solved.applied:  # nothing moves: the gather was the call's last collective
-        publish(call_id)
-    return grid, routing, solved
-
-
-# Ids of the calls planned in this process, for their status words and deferred reports.
-_CALL_IDS = itertools.count(1)
-
-
-def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
-    """The global ranks of ``group``, in group order (what its agreed layouts are kept by)."""
-    return tuple(dist.get_process_group_ranks(group))
-
-
-def max_units(pixel_rows: int, merge_size: int) -> int:
-    """Upper bound on a rank's units: each has at least ``merge_size**2`` rows."""
-    return pixel_rows // (merge_size * merge_size)
-
-
-@plan.register_fake
-def _(
-    pixel_values,
-    grid_thw,
-    merge_size,
-    planner,
-    world_size,
-    group_name,
-    active=True,
-    module_key=0,
-    problem=0,
-    grad_fixed=False,
-):
-    ctx = torch.library.get_ctx()
-    grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit
-    size = routing_size(max_units(pixel_values.shape[0], merge_size), world_size)
-    routing = torch.empty(size, dtype=torch.int64, device="cpu")
-    return grid, routing
+from fx_vitbal.runtime.planning import group_ranks, resolve_group
+from fx_vitbal.runtime.routing import Routing
+from fx_vitbal.runtime.rows import as_blocks, from_blocks, row_numel, with_dummy
 
 
 @torch.library.custom_op("vitbal::redistribute", mutates_args=())
@@ -226,7 +55,7 @@ def redistribute(
     merged outputs). ``out_rows`` (each result's rows) is only known in backward graphs (the
     forward's input rows); otherwise the result has a fresh data-dependent size of at least one
     block (every rank computes at least the dummy unit). ``check_status`` (``restore``'s
-    backward): first read the status words of the outputs' exchange (``fx_vitbal.status``), so
+    backward): first read the status words of the outputs' exchange (``runtime.status``), so
     an unsound output raises on every rank before its gradients move.
     """
     route = Routing.of(routing)
@@ -238,7 +67,7 @@ def redistribute(
         timed = clock is not None and clock.timing_exchange(reverse=False)
         start = clock.mark() if timed else None
         blocks_xs, _ = exchange(blocks_xs, route, merge_area, False, resolve_group(group_name))
-        if timed:  # --- the pixels' exchange, timed (fx_vitbal.timing)
+        if timed:  # --- the pixels' exchange, timed (fx_vitbal.measure.clock)
             moved = _crossing_bytes(xs, block_rows, merge_area, route, group_name)
             clock.add_exchange(start, clock.mark(), moved)
     else:  # every rank agrees (the plan is global): nothing to send anywhere
@@ -284,7 +113,7 @@ def restore(
     whose layouts the ranks have not agreed on (``Routing.check_layouts``), one small gather
     checks them first. Otherwise nothing waits: each rank compares its outputs with the agreed
     layouts on the host, sends zeros of those sizes if they differ, and its status word rides
-    in the same exchange (``fx_vitbal.status``); the words are read in this op's backward, or at
+    in the same exchange (``runtime.status``); the words are read in this op's backward, or at
     its end with ``check_now`` (no backward will come). ``redistribute``'s backward passes
     ``check_layouts=False``: autograd gives the gradients the shapes and dtypes of
     ``redistribute``'s outputs, so on every rank they are the rows the forward exchange already
@@ -301,21 +130,15 @@ def restore(
     word, outputs, unsound = None, xs, False
     if check_layouts:
         ranks = group_ranks(group)
-        # A plan made ahead whose batch's grid differs on this rank (``fx_vitbal.ahead``): known
-        # on the host, or as a device flag that joins the status word without a read.
-        grid_differs = getattr(routing, "_vitbal_grid_differs", None)
-        if route.check_layouts:  # this call blocks anyway: the device flag is read too
-            mismatched = route.mismatched or (grid_differs is not None and bool(grid_differs))
-            agreed = check_output_layouts(xs, block_rows, blocks, group, mismatched)
-            agree_layouts(ranks, route.layout_key, agreed)
-        xs, word = _as_agreed(xs, block_rows, blocks, layouts_agreed(ranks, route.layout_key))
+        if route.check_layouts:  # some rank has no layouts agreed for this key: agree now
+            agree_layouts(
+                ranks, route.layout_key, check_output_layouts(xs, block_rows, blocks, group)
+            )
+        agreed = layouts_agreed(ranks, route.layout_key)
+        xs, word = as_agreed(xs, block_rows, blocks, agreed)
         unsound = status.kind(word) != status.OK  # a host word: no read of the device
-        if route.mismatched:
-            word = status.word(status.NOT_AS_PLANNED)
-        elif grid_differs is not None:
-            bad = transfer.to_device(status.word(status.NOT_AS_PLANNED), grid_differs.device)
-            word = torch.where(grid_differs, bad, transfer.to_device(word, bad.device))
-        block_rows = [n for n, _, _ in layouts_agreed(ranks, route.layout_key)]
+        word = _not_as_planned(word, route, getattr(routing, "_vitbal_grid_differs", None))
+        block_rows = [n for n, _, _ in agreed]
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     blocks_xs = with_dummy(blocks_xs, dummy, add=False)
     moved, words_R = exchange(blocks_xs, route, merge_area, True, group, word)
@@ -332,33 +155,22 @@ def restore(
     return [from_blocks(b, x, n) for b, x, n in zip(moved, xs, block_rows, strict=True)]
 
 
+def _not_as_planned(word, route: Routing, grid_differs):
+    """``word``, or ``NOT_AS_PLANNED`` when this rank's batch is not the one planned ahead for it
+    (``fx_vitbal.ahead``): known on the host (``route.mismatched``), or as a device flag (a grid
+    compared on the device), joined without a read."""
+    if route.mismatched:
+        return status.word(status.NOT_AS_PLANNED)
+    if grid_differs is None:
+        return word
+    bad = transfer.to_device(status.word(status.NOT_AS_PLANNED), grid_differs.device)
+    return torch.where(grid_differs, bad, transfer.to_device(word, bad.device))
+
+
 def no_backward_will_come(outputs: list[torch.Tensor]) -> bool:
     """No backward will read the status words of these ViT outputs' restore (gradients off,
     or no output requires one): ``restore`` must read them itself (its ``check_now``)."""
     return not (torch.is_grad_enabled() and any(o.requires_grad for o in outputs))
-
-
-def _as_agreed(xs, block_rows, blocks, agreed):
-    """``(tensors to send, status word)``: ``xs`` if they fit the ``agreed`` layouts (rows,
-    dtype, width per output) for ``blocks`` merge blocks, else zeros of those layouts and the
-    word naming the first misfit, so the exchange keeps every rank's sizes."""
-    word = status.word()
-    if len(xs) != len(agreed):
-        word = status.word(status.COUNT, value=len(xs))
-    else:
-        for i, (x, n, want) in enumerate(zip(xs, block_rows, agreed, strict=True)):
-            if x.shape[0] != blocks * want[0] or (n, *output_layout(x, n)[1:]) != want:
-                kind = status.LAYOUT if n and x.shape[0] == blocks * n else status.ROWS
-                word = status.word(kind, i, x.shape[0])
-                break
-    if status.kind(word) == status.OK:
-        return xs, word
-    like = xs[0]
-    zeros = [
-        torch.zeros(blocks * n, numel, dtype=DTYPES[dtype], device=like.device)
-        for n, dtype, numel in agreed
-    ]
-    return zeros, word
 
 
 @restore.register_fake

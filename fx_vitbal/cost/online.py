@@ -27,7 +27,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from fx_vitbal.cost import OnlineCost
+from fx_vitbal.cost.static import OnlineCost
 
 Unit = tuple[int, int, int]
 

@@ -1,6 +1,6 @@
 """Exchange time in seconds, for plans weighed against their measured exchange
 (``cost_model="online"``): a latency + bandwidth model and its fit from every rank's timed
-exchanges (``fx_vitbal.measured`` feeds it the gathered reports; bitwise alike on every rank).
+exchanges (``fx_vitbal.measure`` feeds it the gathered reports; bitwise alike on every rank).
 """
 
 import collections
@@ -8,7 +8,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from fx_vitbal.online import fit_nonnegative
+from fx_vitbal.cost.online import fit_nonnegative
 
 MIN_EXCHANGES = 4
 """Steps with a timed exchange before the exchange model decides (a robust fit of 2 coefficients
@@ -49,7 +49,7 @@ class ExchangeModel:
 
 class ExchangeFit:
     """Latency + bandwidth fitted from the timed pixels' exchange (one ``all_to_all``,
-    ``fx_vitbal.timing``) of the last ``window`` steps that moved anything:
+    ``fx_vitbal.measure.clock``) of the last ``window`` steps that moved anything:
     ``seconds ~ latency + bytes * spb`` by
     ``fit_nonnegative`` (robust, non-negative, bitwise alike on every rank).
 

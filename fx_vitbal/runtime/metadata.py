@@ -1,27 +1,29 @@
-"""The small gathers every rank checks before anything moves: input metadata and settings
-before the plan, the ViT's output layouts before the restore.
+"""The gather every rank checks before the plan: input metadata, settings and measured times
+(the ViT's output layouts are agreed in ``layouts``).
 
-Lockstep rule: each function here that talks to other ranks issues one fixed-size gather on
-every rank, whatever that rank holds, and every decision (including which error to raise) is
-taken from the gathered data, so all ranks raise the same ``ValueError`` or none does.
+Lockstep rule: ``gather_grids`` issues one fixed-size gather on every rank (a second, padded
+one only when some rank has more than ``INLINE_GRID_ROWS`` grid rows, known to all from the
+first), whatever that rank holds, and every decision (including which error to raise) is taken
+from the gathered data, so all ranks raise the same ``ValueError`` or none does.
 """
 
 import dataclasses
 import functools
 import hashlib
 import json
-import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from fx_vitbal import collectives, transfer
+from fx_vitbal.measure.measurements import REPORT_FIELDS
+from fx_vitbal.runtime import collectives, transfer
+from fx_vitbal.runtime.rows import DTYPES, row_numel
 
-# Dtypes a pixel tensor may have; the index is what travels in the metadata header.
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Grid rows that ride in the metadata header; ranks with more need a second gather.
 INLINE_GRID_ROWS = 32
+
+
 # Header fields gathered from every rank, one int64 row per rank.
 (
     _STATUS,
@@ -35,9 +37,8 @@ INLINE_GRID_ROWS = 32
     _GRAD_FIXED,
     _NEW_LAYOUT,
 ) = range(10)
-# --- measured times (fx_vitbal.measured): this rank's report of an earlier call rides after
-# the fields above: [step, ViT ns, exchange ns, exchange bytes, output bytes per pixel row].
-REPORT_FIELDS = 5
+
+
 # Problems the caller found before the plan (a status of their own: every rank raises them).
 PROBLEMS = {
     "mm_encoder_outputs": 8,
@@ -61,7 +62,7 @@ class Gathered:
     """Some rank's pixels require gradients: every rank must then run the pixels' backward
     exchange, whatever its own pixels say."""
     reports_R: list[list[int]] = dataclasses.field(default_factory=list)
-    """Every rank's ``REPORT_FIELDS`` measured-time fields (``fx_vitbal.measured``)."""
+    """Every rank's ``REPORT_FIELDS`` measured-time fields (``fx_vitbal.measure``)."""
     check_layouts: bool = False
     """Some rank has no output layouts agreed for this call's key (``layouts_agreed``)."""
 
@@ -174,127 +175,6 @@ def _settings_digest(planner: str, merge_size: int, world_size: int) -> int:
     spec["config"]["verbose"] = False
     text = f"{json.dumps(spec, sort_keys=True)}|{merge_size}|{world_size}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
-
-
-# Outputs whose layouts one rank reports to the others in ``check_output_layouts``.
-MAX_OUTPUTS = 16
-
-
-def check_output_layouts(
-    xs: Sequence[torch.Tensor],
-    block_rows: Sequence[int],
-    blocks: int,
-    group: dist.ProcessGroup,
-    mismatched: bool = False,
-) -> list[tuple[int, int, int]]:
-    """Raise the same ``ValueError`` on every rank unless every rank's ViT outputs have rows
-    that fit their layout (``blocks * block_rows[i]``) and all ranks agree on each output's
-    layout, dtype and row width (one small gather of a fixed-size header). The header's last
-    field carries ``mismatched``: a plan-ahead step (``fx_vitbal.ahead``) whose batch is not the
-    one planned on this rank; then every rank raises, before any output moves home.
-
-    The blocking check of a call whose layouts are not agreed yet (``layouts_agreed``); returns
-    them, ``(rows per block, dtype code, row width)`` per output, the same on every rank.
-
-    Raises:
-        ValueError: on every rank, naming each rank and output at fault.
-    """
-    world = dist.get_world_size(group)
-    header = [len(xs)]
-    for x, n in list(zip(xs, block_rows, strict=True))[:MAX_OUTPUTS]:
-        fits = n > 0 and x.shape[0] == blocks * n
-        _, dtype, numel = output_layout(x, n)
-        header += [n if fits else -x.shape[0] - 1, dtype, numel]
-    header += [0] * (1 + 3 * MAX_OUTPUTS - len(header))
-    header.append(int(mismatched))
-    device = meta_device(group, xs[0].device)
-    gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
-    local = transfer.to_device(torch.tensor(header, dtype=torch.int64), device)
-    collectives.all_gather(gathered, local, group)
-    headers = gathered.view(world, len(header)).tolist()
-    _raise_if_not_as_planned([h.pop() for h in headers])
-    problems = []
-    for r, h in enumerate(headers):
-        if h[0] > MAX_OUTPUTS:
-            problems.append(f"rank {r}: {h[0]} ViT outputs, at most {MAX_OUTPUTS} can be restored")
-        for i in range(min(h[0], MAX_OUTPUTS)):
-            if h[1 + 3 * i] < 0:
-                problems.append(
-                    f"rank {r}: ViT output {i} has {-h[1 + 3 * i] - 1} rows; expected t*h*w "
-                    "(pre-merger) or t*h*w/merge**2 (merged) rows summed over the units"
-                )
-    if not problems and len({tuple(h) for h in headers}) > 1:
-        problems = [
-            f"rank {r}: outputs (layout, dtype, row width) {_layouts(h)}"
-            for r, h in enumerate(headers)
-        ]
-        problems.insert(0, "ranks disagree on the ViT's outputs")
-    if problems:
-        raise ValueError("vit dp balance: bad ViT output; " + "; ".join(problems))
-    mine = headers[dist.get_rank(group)]
-    return [tuple(mine[1 + 3 * i : 4 + 3 * i]) for i in range(mine[0])]
-
-
-def output_layout(x: torch.Tensor, block_rows: int) -> tuple[int, int, int]:
-    """``(rows per block, dtype code, row width)`` of one ViT output, as agreed layouts hold
-    them (an unknown dtype has code ``len(DTYPES)``)."""
-    dtype = DTYPES.index(x.dtype) if x.dtype in DTYPES else len(DTYPES)
-    return block_rows, dtype, row_numel(x)
-
-
-# --- agreed output layouts: per ranks of the group (a plan-ahead group and its step group
-# share them) and per layout key (``layout_key``), what every rank's ViT outputs looked like at
-# the call that agreed on them.
-_AGREED: dict[tuple[tuple[int, ...], int], list[tuple[int, int, int]]] = {}
-_AGREED_LOCK = threading.Lock()
-
-
-def layout_key(module_key: int, pixels_dtype_code: int, device_type: str) -> int:
-    """A rank's key for the layouts of a call: its ViT (``module_key``; 0 inside a compiled
-    graph, whose layouts are fixed), the pixels' dtype and the autocast state, which is all that
-    changes a sound ViT's output layouts between calls."""
-    autocast = torch.is_autocast_enabled(device_type)
-    dtype = torch.get_autocast_dtype(device_type) if autocast else None
-    text = f"{module_key}|{pixels_dtype_code}|{autocast}|{dtype}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
-
-
-def layouts_agreed(ranks: tuple[int, ...], key: int) -> list[tuple[int, int, int]] | None:
-    """The output layouts the ranks agreed on for ``key``, or None before any."""
-    with _AGREED_LOCK:
-        return _AGREED.get((ranks, key))
-
-
-def agree_layouts(ranks: tuple[int, ...], key: int, layouts: list[tuple[int, int, int]]) -> None:
-    with _AGREED_LOCK:
-        _AGREED[(ranks, key)] = layouts
-
-
-def _raise_if_not_as_planned(mismatched_R: list[int]) -> None:
-    ranks = [r for r, flag in enumerate(mismatched_R) if flag]
-    if ranks:
-        raise ValueError(
-            "vit dp balance: the batch the ViT got is not the batch planned ahead for it "
-            f"(fx_vitbal.plan_ahead) on rank(s) {ranks}; no output was restored on any rank. "
-            "Plan each batch with the pixels (shape, dtype, requires_grad), grid and balancing "
-            "settings the ViT call gets, on every rank, in the order of the steps"
-        )
-
-
-def _layouts(header: list[int]) -> list[tuple[str, str, int]]:
-    names = [str(d).removeprefix("torch.") for d in DTYPES] + ["other"]
-    return [
-        ("pre-merger" if n > 1 else "merged", names[dtype], numel)
-        for n, dtype, numel in zip(header[1::3], header[2::3], header[3::3], strict=True)
-    ][: header[0]]
-
-
-def row_numel(x: torch.Tensor) -> int:
-    """Values per row of ``x`` (the product of its trailing dims)."""
-    numel = 1
-    for size in x.shape[1:]:
-        numel *= size
-    return numel
 
 
 def gathers_on_host(group: dist.ProcessGroup) -> bool:
@@ -423,7 +303,7 @@ def _raise_on_bad_input(headers: list[list[int]]) -> None:
             "ranks disagree on the balancing settings (config, cost model, merge size, "
             "world size or unit rule; every rank must use the same) or, with "
             "cost_model='online', on the calls measured (a rank that called "
-            "fx_vitbal.measured.reset() or restarted alone: reset every rank)"
+            "fx_vitbal.measure.reset() or restarted alone: reset every rank)"
         ]
         problems += [f"rank {r}: settings {h[_FINGERPRINT]:014x}" for r, h in enumerate(headers)]
     if not problems and any(h[_GRAD] for h in headers):

@@ -21,7 +21,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from fx_vitbal.transfer import HostCopy
+from fx_vitbal.runtime.transfer import HostCopy
 
 OK, ROWS, LAYOUT, COUNT, NOT_AS_PLANNED = range(5)
 
@@ -68,9 +68,25 @@ def check(group_name: str, step: int | None = None) -> None:
         steps = sorted(pending) if step is None else [step] if step in pending else []
         taken = [pending.pop(s) for s in steps]
     for copy in taken:
-        problems = [_describe(r, *w) for r, w in enumerate(copy.values()) if w[0] != OK]
+        words = copy.values()
+        kinds = [w[0] & 0xFF for w in words]
+        problems = [
+            _describe(r, *w) for r, w in enumerate(words) if kinds[r] not in (OK, NOT_AS_PLANNED)
+        ]
+        not_as_planned = [r for r, k in enumerate(kinds) if k == NOT_AS_PLANNED]
+        if not_as_planned:  # one problem naming every such rank
+            problems.insert(0, _NOT_AS_PLANNED.format(ranks=not_as_planned))
         if problems:
             raise ValueError("vit dp balance: bad ViT output; " + "; ".join(problems))
+
+
+_NOT_AS_PLANNED = (
+    "the batch the ViT got is not the batch planned ahead for it (fx_vitbal.plan_ahead) on "
+    "rank(s) {ranks}, so every rank raises before any gradient moves. Plan each batch with the "
+    "pixels "
+    "(shape, dtype, requires_grad), grid and balancing settings the ViT call gets, on every "
+    "rank, in the order of the steps"
+)
 
 
 def _describe(rank: int, code: int, value: int) -> str:
@@ -86,11 +102,5 @@ def _describe(rank: int, code: int, value: int) -> str:
             "one every rank agreed on for this ViT (outputs may change layout only together "
             "with the ViT instance, the pixel dtype or autocast, on every rank alike)"
         )
-    if kind == COUNT:
-        return f"rank {rank}: the ViT returned {value} outputs, not the number agreed on"
-    return (
-        f"rank {rank}: the batch the ViT got is not the batch planned ahead for it "
-        "(fx_vitbal.plan_ahead); plan each batch with the pixels (shape, dtype, "
-        "requires_grad), grid and balancing settings the ViT call gets, on every rank, in the "
-        "order of the steps"
-    )
+    assert kind == COUNT, kind
+    return f"rank {rank}: the ViT returned {value} outputs, not the number agreed on"

@@ -1,0 +1,163 @@
+"""The one balanced ViT call: plan -> redistribute -> ViT -> restore (``run_balanced``), which
+the eager call, the in-place wrapper and the Hugging Face towers all go through, and compiled
+wrappers trace (the FX pass writes the same ops into a graph).
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from fx_vitbal.measure import clock as step_clock
+from fx_vitbal.runtime import ops, planning, transfer
+from fx_vitbal.runtime.metadata import PROBLEMS
+from fx_vitbal.runtime.routing import Routing
+from fx_vitbal.runtime.settings import layout_token
+from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
+
+
+def run_balanced(
+    run,
+    pixel_values,
+    image_grid_thw,
+    merge,
+    planner,
+    dist_info,
+    grad_without_images=False,
+    planned=None,
+    module=None,
+    problem=0,
+):
+    """plan -> redistribute -> ``run(pixels, grid)`` -> restore, the one balanced ViT call of
+    every eager and in-place path (and of compiled wrappers, which trace it).
+
+    ``run`` returns ``(outputs, extra)``: the embeddings to move home (pre-merger or merged
+    layout each) and anything else, passed back untouched. Returns ``(restored outputs, extra)``.
+    An empty ``[0, 0]`` ``pixel_values`` (what ``None`` becomes) receives rows in the other
+    ranks' layout.
+
+    Every decision below comes from the gathered metadata, so all ranks take the same branch:
+    - a skipped plan runs ``run`` on the local batch with no copy, except on a rank with no
+      image, which goes through the ops so its ViT computes the dummy unit, never zero rows;
+    - when no rank has an image, every rank runs the dummy unit to learn the outputs' widths and
+      returns them empty, or returns ``(None, extra)`` if no rank passed a pixel tensor at all.
+      It runs under ``no_grad`` (the ViT's parameters get no gradient, as when a parent skips
+      its ViT on text-only batches, like Hugging Face's) unless ``grad_without_images``: then the
+      empty outputs stay in the graph and the parameters get zero gradients, as when a parent
+      calls its ViT on zero rows (LoongForge's ``encode_images``; DDP without
+      ``find_unused_parameters`` needs it). The choice is the caller's, the same on every rank,
+      so FSDP's backward collectives stay matched. (Under ``torch.compile`` the dummy unit always
+      runs with gradients: zeros.)
+    ``planned`` (a ``fx_vitbal.ahead.PlannedBatch``) replaces the ``plan`` op's gather and solve.
+    ``module``: the ViT, which names its agreed output layouts (``layouts.layout_key``) and
+    whose trainable parameters' gradients mark the end of its backward for the measured times
+    (``fx_vitbal.measure.clock``; eager only: compiled calls report no time). ``problem``: a
+    ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank.
+
+    Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
+    never waits for the ViT (``ops.restore``).
+    """
+    group_name, world_size = dist_info
+    area = merge * merge
+    compiling = torch.compiler.is_compiling()
+    if planned is None:
+        module_key = layout_token(module) if module is not None else 0
+        grid, routing = planning.plan(
+            pixel_values,
+            image_grid_thw,
+            merge,
+            planner,
+            world_size,
+            group_name,
+            True,
+            module_key,
+            problem,
+            compiling,
+        )
+        if problem:  # raised by the plan on every rank; its output keeps the op in the graph
+            return None, grid[:0]
+    else:
+        pixel_values, grid, routing = _planned_inputs(
+            planned, pixel_values, image_grid_thw, (planner, merge), group_name
+        )
+    if not compiling:
+        route = Routing.of(routing)
+        run = _timed(run, getattr(routing, "_vitbal_clock", None), module)
+        if not route.any_units:
+            return _without_images(run, pixel_values, route, area, grad_without_images)
+        if not route.applied and pixel_values.shape[0]:
+            return run(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
+        pixel_values = _taking_part(pixel_values, route)
+    (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
+    outputs, extra = run(pixels, grid)
+    layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
+    rows = ops.home_rows(layouts, pixel_values.shape[0], area)
+    check_now = ops.no_backward_will_come(outputs)
+    restored = ops.restore(outputs, routing, area, layouts, rows, group_name, True, check_now)
+    return restored, extra
+
+
+def _timed(run, clock, module):
+    """``run`` with this rank's clock of the call around it (``fx_vitbal.measure.clock``)."""
+    if clock is None:
+        return run
+
+    def timed(pixels, grid):
+        clock.forward_started(pixels.device)
+        outputs, extra = run(pixels, grid)
+        clock.forward_ended(outputs, pixels, step_clock.watch_parameters(module))
+        return outputs, extra
+
+    return timed
+
+
+# Under torch.compile, dynamo runs it eagerly between graphs; fullgraph=True refuses it.
+@torch.compiler.disable(
+    reason="a plan made ahead (fx_vitbal.plan_ahead) is handed over eagerly; with "
+    "fullgraph=True, let the compiled graph plan in the step (pass no plan)"
+)
+def _planned_inputs(planned, pixel_values, image_grid_thw, settings, group_name):
+    return planned.for_step(pixel_values, image_grid_thw, settings, group_name)
+
+
+def _taking_part(pixel_values: torch.Tensor, route: Routing) -> torch.Tensor:
+    """This rank's pixels as every rank's exchange expects them: a rank that passed None gets an
+    empty tensor in the others' row layout (so it can receive rows), and when any rank's pixels
+    require gradients, every rank's do, so all ranks run the backward exchange together (the
+    gradient of a stand-in is simply dropped)."""
+    width = math.prod(pixel_values.shape[1:])
+    if not pixel_values.shape[0] and route.row_numel and width != route.row_numel:
+        pixel_values = pixel_values.new_empty(0, route.row_numel, dtype=route.dtype)
+    if route.pixels_need_grad and not pixel_values.requires_grad:
+        pixel_values = pixel_values.detach().requires_grad_(True)
+    return pixel_values
+
+
+def _without_images(run, pixel_values, route, area, grad):
+    if not route.row_numel:
+        return None, None
+    dummy = torch.zeros(area, route.row_numel, dtype=route.dtype, device=pixel_values.device)
+    side = math.isqrt(area)
+    grid = transfer.to_device(torch.tensor([[1, side, side]]), pixel_values.device)
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        outputs, extra = run(dummy, grid)
+    return [o[:0] for o in outputs], extra
+
+
+def stand_in_pixels(vit: nn.Module) -> tuple[torch.Tensor, int]:
+    """Empty pixels for a rank that passed None, and a ``metadata.PROBLEMS`` code (0: none).
+
+    Eagerly they have no width: the plan tells the rank the others' (``_taking_part``). A
+    compiled graph fixes its shapes when traced, so there the width must be known then: the
+    registered ``pixel_width`` (``VisionEncoderSpec``), with the ViT's parameter dtype. Without
+    one, every rank raises (the stand-in only carries the problem code to the plan).
+    """
+    params = list(vit.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if not torch.compiler.is_compiling():
+        return torch.empty(0, 0, device=device), 0
+    pixel_width = vision_encoder_spec(vit).pixel_width
+    dtype = params[0].dtype if params else torch.float32
+    if pixel_width is None:
+        return torch.empty(0, 0, dtype=dtype, device=device), PROBLEMS["compiled_without_pixels"]
+    return torch.empty(0, pixel_width(unwrap_module(vit)), dtype=dtype, device=device), 0

@@ -1,0 +1,243 @@
+"""The ``vitbal::plan`` custom op and its body: gather every rank's metadata, cost the units,
+solve the plan, and give this rank its balanced grid and routing (``fx_vitbal.runtime.ops``
+states the conventions every ``vitbal`` op keeps).
+
+The measured times attach here, at fixed points (``fx_vitbal.measure``): this rank's report
+rides in the gathered header, every rank's reports feed the fits before the solve, the call's
+clock starts after it, and what the call reports is published after its last forward
+collective.
+"""
+
+import dataclasses
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from fx_vitbal.cost.static import CostModel
+from fx_vitbal.measure.measurements import measurements_for
+from fx_vitbal.measure.stats import defer, publish
+from fx_vitbal.plan.solve import solve_plan
+from fx_vitbal.plan.units import Plan
+from fx_vitbal.runtime import status, transfer
+from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
+from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
+from fx_vitbal.runtime.routing import (
+    balanced_grid,
+    local_only_routing,
+    local_routing,
+    routing_size,
+    split_units,
+)
+from fx_vitbal.runtime.rows import DTYPES
+from fx_vitbal.runtime.settings import parse_planner_spec
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group registered under ``group_name``."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+@torch.library.custom_op("vitbal::plan", mutates_args=())
+def plan(
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    merge_size: int,
+    planner: str,
+    world_size: int,
+    group_name: str,
+    active: bool = True,
+    module_key: int = 0,
+    problem: int = 0,
+    grad_fixed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``.
+
+    The balanced grid lists this rank's units in arrival order (the original grid when the plan
+    is not applied), or the dummy unit ``[1, m, m]`` when there are none. ``planner`` is
+    ``settings.planner_spec(config, cost_model)``; its fingerprint rides in the metadata, so
+    ranks with different settings all raise. ``active=False`` (balancing off for this call,
+    e.g. eval mode) gathers nothing: the local batch stays home and no collective runs in any op.
+    ``module_key`` names the ViT for its agreed output layouts (``layouts.layout_key``; 0 in
+    compiled graphs); ``problem`` is a ``metadata.PROBLEMS`` code the caller found, raised on
+    every rank; ``grad_fixed``: this call is compiled, so its pixels' ``requires_grad`` cannot
+    follow the other ranks'.
+    """
+    group = resolve_group(group_name)
+    if dist.get_world_size(group) != world_size:
+        raise ValueError(
+            f"world_size={world_size} but group {group_name!r} has {dist.get_world_size(group)} "
+            "ranks"
+        )
+    if not active:
+        units = max_units(pixel_values.shape[0], merge_size)
+        routing = local_only_routing(grid_thw.shape[0], world_size, merge_size)
+        if grid_thw.shape[0]:
+            return grid_thw.clone(), routing.to_tensor(units)
+        dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
+        return transfer.to_device(dummy, grid_thw.device), routing.to_tensor(units)
+    status.check(group_name)  # a step whose backward never ran: its outputs' verdict first
+    grid, routing, _ = solve_for_rank(
+        pixel_values, grid_thw, merge_size, planner, group, module_key, problem, grad_fixed
+    )
+    return grid, routing
+
+
+def solve_for_rank(
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    merge_size: int,
+    planner: str,
+    group: dist.ProcessGroup,
+    module_key: int = 0,
+    problem: int = 0,
+    grad_fixed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+    """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
+    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    # --- measured times (fx_vitbal.measure): report an earlier call in the header, fit from
+    # every rank's reports, plan with the fitted models. Ranks whose fits saw different calls
+    # would plan differently: the fingerprint covers the count, so they raise together instead.
+    state = measurements_for(group.group_name, planner, lambda: parse_planner_spec(planner)[1])
+    fingerprint = settings_fingerprint(planner, merge_size, world_size, state.calls())
+    report = state.report()
+    dtype_code = DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1
+    key = layout_key(module_key, dtype_code, pixel_values.device.type)
+    ranks = group_ranks(group)
+    gathered = gather_grids(
+        pixel_values,
+        grid_thw,
+        merge_size,
+        group,
+        fingerprint,
+        report,
+        problem=problem,
+        grad_fixed=grad_fixed,
+        new_layout=layouts_agreed(ranks, key) is None,
+    )
+    measured = state.observe(gathered.reports_R)
+    pixel_bytes = gathered.row_numel * DTYPES[gathered.dtype_code].itemsize
+    exchange_model = state.exchange_model(pixel_bytes, gathered.pixels_need_grad)
+    solved, units_R, note = plan_units(
+        gathered.grids_R,
+        rank,
+        planner,
+        cost_model=state.cost_model(),
+        exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
+    )
+    call_id = next(_CALL_IDS)
+    step, clock = state.begin(solved, units_R, merge_size)
+    routing = dataclasses.replace(
+        local_routing(solved, units_R, rank, merge_size),
+        any_units=any(units_R),
+        row_numel=gathered.row_numel,
+        dtype_code=gathered.dtype_code,
+        pixels_need_grad=gathered.pixels_need_grad,
+        step=call_id,
+        layout_key=key,
+        check_layouts=gathered.check_layouts,
+    )
+    rows = balanced_grid(solved, units_R, rank, merge_size)
+    if not solved.applied:  # the original batch (as gathered: no device read), or the dummy
+        rows = gathered.grids_R[rank] or rows
+    grid = transfer.to_device(torch.tensor(rows, dtype=grid_thw.dtype), grid_thw.device)
+    routing = routing.to_tensor(max_units(pixel_values.shape[0], merge_size))
+    routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
+    defer(call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model))
+    if not solved.applied:  # nothing moves: the gather was the call's last collective
+        publish(call_id)
+    return grid, routing, solved
+
+
+# Ids of the calls planned in this process, for their status words and deferred reports.
+_CALL_IDS = itertools.count(1)
+
+
+def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """The global ranks of ``group``, in group order (what its agreed layouts are kept by)."""
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def max_units(pixel_rows: int, merge_size: int) -> int:
+    """Upper bound on a rank's units: each has at least ``merge_size**2`` rows."""
+    return pixel_rows // (merge_size * merge_size)
+
+
+@plan.register_fake
+def _(
+    pixel_values,
+    grid_thw,
+    merge_size,
+    planner,
+    world_size,
+    group_name,
+    active=True,
+    module_key=0,
+    problem=0,
+    grad_fixed=False,
+):
+    ctx = torch.library.get_ctx()
+    grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit
+    size = routing_size(max_units(pixel_values.shape[0], merge_size), world_size)
+    routing = torch.empty(size, dtype=torch.int64, device="cpu")
+    return grid, routing
+
+
+_plan_calls = itertools.count(1)  # the step number --dp-balance-verbose prints
+
+
+def plan_units(
+    grids_R: list[list[list[int]]],
+    rank: int,
+    spec: str,
+    cost_model: CostModel | None = None,
+    exchange_seconds=None,
+) -> tuple[Plan, list[list[tuple[int, int, int]]], str | None]:
+    """Cost every unit of every rank and solve the plan (same result on every rank).
+
+    ``cost_model`` replaces the spec's (the online model fitted this step, ``fx_vitbal.measure``);
+    ``exchange_seconds`` goes to ``solve_plan``. The memo of unit costs lives for this call only.
+    Returns ``(plan, units per rank, the --dp-balance-verbose line on rank 0 or None)``: the
+    caller prints it once the call's last collective is done.
+    """
+    config, spec_cost = parse_planner_spec(spec)
+    cost_model = spec_cost if cost_model is None else cost_model
+    units_R = [split_units(grid, config.split_frames) for grid in grids_R]
+    costs, tokens = cost_units(units_R, cost_model)
+    plan = solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds)
+    step = next(_plan_calls)
+    note = None
+    if config.verbose and rank == 0:
+        note = describe_plan(plan, step, sum(map(sum, tokens)))
+    return plan, units_R, note
+
+
+def cost_units(
+    units_R: list[list[tuple[int, int, int]]], cost_model: CostModel
+) -> tuple[list[list[float]], list[list[int]]]:
+    """``(costs, tokens)`` of every rank's units for ``solve_plan``; each distinct unit is costed
+    once (grids repeat a lot, and cost models are Python)."""
+    memo: dict[tuple[int, int, int], float] = {}
+    for units in units_R:
+        for u in units:
+            if u not in memo:
+                memo[u] = cost_model(*u)
+    costs = [[memo[u] for u in units] for units in units_R]
+    tokens = [[t * h * w for t, h, w in units] for units in units_R]
+    return costs, tokens
+
+
+def describe_plan(plan: Plan, step: int, total_rows: int) -> str:
+    """The ``--dp-balance-verbose`` line: decision, imbalance, the heaviest and lightest rank's
+    load relative to the mean load, and the pixel rows moved."""
+    mean = sum(plan.loads_before) / len(plan.loads_before)
+    if not mean:
+        return f"[vit dp balance] step {step}: {plan.reason}, no images on any rank"
+    before = f"max {max(plan.loads_before) / mean:.2f} min {min(plan.loads_before) / mean:.2f}"
+    after = f"max {max(plan.loads_after) / mean:.2f} min {min(plan.loads_after) / mean:.2f}"
+    return (
+        f"[vit dp balance] step {step}: {plan.reason}, imbalance {plan.imbalance_before:.3f} -> "
+        f"{plan.imbalance_after:.3f}, load/mean {before} -> {after}, moved {plan.moved_tokens} of "
+        f"{total_rows} rows ({plan.moved_tokens / max(total_rows, 1):.1%})"
+    )

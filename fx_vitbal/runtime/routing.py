@@ -1,0 +1,226 @@
+"""This rank's part of a plan (``Routing``): where each local unit goes and how many rows travel,
+packed into one CPU tensor that flows through the custom ops and compiled graphs.
+
+Destinations receive units grouped by source rank in local order (``all_to_all`` order), which
+is exactly ``Plan.assignment`` order, so only the sender permutes on the way out and only the
+home rank permutes (back to its original positions) on the way back.
+
+Shape suffixes: ``_R`` per rank, ``_U`` per local unit.
+"""
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from fx_vitbal.plan.units import Plan
+from fx_vitbal.runtime.rows import DTYPES
+
+# Values before the per-rank and per-unit parts of a packed routing tensor (see Routing).
+ROUTING_HEADER = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """This rank's part of a plan: where each local unit goes and how many rows travel.
+
+    ``dummy_rows`` pixel rows of zeros (one ``[1, m, m]`` unit) are appended to this rank's ViT
+    batch when it would otherwise compute nothing, and their outputs are dropped: every rank then
+    runs the ViT every step (FSDP/ZeRO-3 all-gathers stay matched, towers that cannot take an
+    empty batch work) and compiled graphs may assume a non-empty batch.
+
+    ``any_units`` is False on a step where no rank has an image (every rank knows it from the
+    gathered metadata); ``row_numel`` and ``dtype_code`` describe the pixel rows of the ranks
+    that passed a pixel tensor (0: none did), so a rank that passed None can still receive rows;
+    ``pixels_need_grad`` says whether any rank's pixels require gradients. ``mismatched`` (set
+    only by a plan-ahead step, ``fx_vitbal.ahead``) says this rank's batch is not the one planned:
+    its status word then makes every rank raise (``runtime.status``). ``step`` names the call
+    for its status words; ``layout_key`` names the output layouts this call is checked against,
+    and ``check_layouts`` says whether some rank has none agreed for its key yet
+    (``layouts.layouts_agreed``): then ``restore`` gathers every rank's layouts first.
+
+    Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
+    ``[applied | 2 * mismatched | 4 * check_layouts, num_units, world, dummy_rows, any_units,
+    row_numel, dtype_code, pixels_need_grad, step, layout_key, send_rows_R, recv_rows_R,
+    unit_rows_U, dest_U]``, zero-padded to ``routing_size(max_units, world)``. The padding gives
+    the tensor a size known from the inputs (``max_units`` follows from the pixel rows), so
+    compiled graphs need no fresh data-dependent size for it.
+    """
+
+    applied: bool
+    unit_rows: list[int]
+    dest: list[int]
+    send_rows: list[int]
+    recv_rows: list[int]
+    dummy_rows: int = 0
+    any_units: bool = True
+    row_numel: int = 0
+    dtype_code: int = 0
+    pixels_need_grad: bool = False
+    mismatched: bool = False
+    step: int = 0
+    layout_key: int = 0
+    check_layouts: bool = False
+    runs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """Row ranges already worked out for this step, by ``(direction, shrink)``: the four moves
+    of a step (two forward, two backward) work each out once."""
+
+    def to_tensor(self, max_units: int) -> torch.Tensor:
+        header = [
+            int(self.applied) | 2 * int(self.mismatched) | 4 * int(self.check_layouts),
+            len(self.unit_rows),
+            len(self.send_rows),
+            self.dummy_rows,
+            int(self.any_units),
+            self.row_numel,
+            self.dtype_code,
+            int(self.pixels_need_grad),
+            self.step,
+            self.layout_key,
+        ]
+        assert len(header) == ROUTING_HEADER
+        values = header + self.send_rows + self.recv_rows + self.unit_rows + self.dest
+        padding = routing_size(max_units, len(self.send_rows)) - len(values)
+        if padding < 0:
+            raise ValueError(f"{len(self.unit_rows)} units do not fit in max_units={max_units}")
+        return torch.tensor(values + [0] * padding, dtype=torch.int64)
+
+    def repacked(self, routing: torch.Tensor, **changes) -> torch.Tensor:
+        """This routing with ``changes`` made, packed to the size of ``routing`` (its tensor)."""
+        max_units = (routing.numel() - ROUTING_HEADER - 2 * len(self.send_rows)) // 2
+        return dataclasses.replace(self, **changes).to_tensor(max_units)
+
+    @classmethod
+    def of(cls, routing: torch.Tensor) -> "Routing":
+        """``from_tensor``, parsed once per routing tensor (every op of a step shares it)."""
+        parsed = getattr(routing, "_vitbal_routing", None)
+        if parsed is None:
+            parsed = cls.from_tensor(routing)
+            routing._vitbal_routing = parsed
+        return parsed
+
+    def send_runs(self, shrink: int) -> list[tuple[int, int]]:
+        """Row ranges of this rank's rows (``shrink`` pixel rows each) in destination order:
+        the units sorted by ``(dest, index)``, neighbours in both orders merged."""
+        key = ("send", shrink)
+        if key not in self.runs:
+            starts = [0, *itertools.accumulate(n // shrink for n in self.unit_rows)]
+            order = sorted(range(len(self.dest)), key=lambda i: (self.dest[i], i))
+            self.runs[key] = _merged((starts[i], starts[i + 1]) for i in order)
+        return self.runs[key]
+
+    def home_runs(self, shrink: int) -> list[tuple[int, int, int]]:
+        """``(source rank, first, end)`` row ranges, within each source's chunk of a move back
+        home, that put this rank's rows back in local order: a source returns the units it
+        computed for this rank in local order."""
+        key = ("home", shrink)
+        if key not in self.runs:
+            filled = [0] * len(self.send_rows)
+            ranges = []
+            for d, n in zip(self.dest, self.unit_rows, strict=True):
+                ranges.append((d, filled[d], filled[d] + n // shrink))
+                filled[d] += n // shrink
+            merged: list[tuple[int, int, int]] = []
+            for d, a, b in ranges:
+                if merged and merged[-1][0] == d and merged[-1][2] == a:
+                    merged[-1] = (d, merged[-1][1], b)
+                elif b > a:
+                    merged.append((d, a, b))
+            self.runs[key] = merged
+        return self.runs[key]
+
+    @classmethod
+    def from_tensor(cls, routing: torch.Tensor) -> "Routing":
+        values = routing.tolist()  # CPU tensor: no device sync
+        flags, num_units, world, dummy_rows, any_units, row_numel, dtype_code, grad = values[:8]
+        step, layout_key = values[8:ROUTING_HEADER]
+        body = values[ROUTING_HEADER:]
+        if len(body) < 2 * num_units + 2 * world:
+            raise ValueError(f"malformed routing tensor of {len(values)} values")
+        return cls(
+            applied=bool(flags & 1),
+            mismatched=bool(flags & 2),
+            check_layouts=bool(flags & 4),
+            send_rows=body[:world],
+            recv_rows=body[world : 2 * world],
+            unit_rows=body[2 * world : 2 * world + num_units],
+            dest=body[2 * world + num_units : 2 * world + 2 * num_units],
+            dummy_rows=dummy_rows,
+            any_units=bool(any_units),
+            row_numel=row_numel,
+            dtype_code=dtype_code,
+            pixels_need_grad=bool(grad),
+            step=step,
+            layout_key=layout_key,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The pixel dtype the ranks with pixels agree on."""
+        return DTYPES[self.dtype_code]
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """Non-empty ``(first, end)`` ranges, each merged into the previous one it continues."""
+    merged: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        elif b > a:
+            merged.append((a, b))
+    return merged
+
+
+def routing_size(max_units: int, world_size: int) -> int:
+    """Length of a packed routing tensor."""
+    return ROUTING_HEADER + 2 * world_size + 2 * max_units
+
+
+def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
+    """A rank's units: its grid rows, or one ``(1, h, w)`` unit per frame."""
+    if split_frames:
+        return [(1, h, w) for t, h, w in grid for _ in range(t)]
+    return [(t, h, w) for t, h, w in grid]
+
+
+def local_routing(
+    plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int, merge_size: int = 1
+) -> Routing:
+    """This rank's send/receive layout under ``plan`` (with a dummy unit of ``merge_size**2``
+    rows if the rank would compute nothing)."""
+    world = len(units_R)
+    rows_R = [[t * h * w for t, h, w in units] for units in units_R]
+    dest = plan.destinations([len(units) for units in units_R])[rank]
+    send_rows = [0] * world
+    for i, d in enumerate(dest):
+        send_rows[d] += rows_R[rank][i]
+    recv_rows = [0] * world
+    for src, idx in plan.assignment[rank]:
+        recv_rows[src] += rows_R[src][idx]
+    dummy_rows = merge_size**2 if not plan.assignment[rank] else 0
+    return Routing(plan.applied, rows_R[rank], dest, send_rows, recv_rows, dummy_rows)
+
+
+def local_only_routing(num_units: int, world_size: int, merge_size: int) -> Routing:
+    """Routing that keeps every local unit home and moves nothing (balancing inactive), with
+    the dummy unit when the local batch is empty, as every compiled graph expects. It lists no
+    units: nothing reads them when nothing moves, and listing them would read the grid (a host
+    sync when it lives on a device)."""
+    return Routing(
+        applied=False,
+        unit_rows=[],
+        dest=[],
+        send_rows=[0] * world_size,
+        recv_rows=[0] * world_size,
+        dummy_rows=0 if num_units else merge_size**2,
+    )
+
+
+def balanced_grid(
+    plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int, merge_size: int
+) -> list[list[int]]:
+    """Grid rows this rank computes, in arrival order (no collective needed); the dummy unit
+    ``[1, m, m]`` when there is nothing else."""
+    rows = [list(units_R[src][idx]) for src, idx in plan.assignment[rank]]
+    return rows or [[1, merge_size, merge_size]]

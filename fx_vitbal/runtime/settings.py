@@ -1,0 +1,173 @@
+"""The settings of a balanced ViT call, worked out once per ViT and config: the planner spec
+(config + cost model, one string that every op takes and every cache key contains), the merge
+size, the ViT's layout token, and the one rule saying whether balancing is active.
+"""
+
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fx_vitbal import _compat
+from fx_vitbal.config import BalanceConfig
+from fx_vitbal.cost.static import (
+    ArchitectureCost,
+    CostModel,
+    choose_cost_model,
+    cost_from_spec,
+    cost_to_spec,
+)
+from fx_vitbal.runtime.routing import ROUTING_HEADER
+from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
+
+log = logging.getLogger(__name__)
+
+# One object, so settings kept for ``config=None`` calls are found again (``planner_for``).
+DEFAULT_CONFIG = BalanceConfig()
+
+
+def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
+    """Everything ``plan_units`` needs besides the data, as one string (a custom-op argument,
+    so it is part of the compiled graph and of every cache key).
+
+    It also names the routing layout (``ROUTING_HEADER``): the ``plan`` fake kernel's output
+    size depends on it, and inductor's on-disk caches key compiled graphs on their code, not on
+    fake kernels, so a graph compiled by an older layout must not be served to a newer one (seen:
+    ``expected size 14==13 ... Error in op: torch.ops.vitbal.plan.default``).
+    """
+    fields = dataclasses.asdict(config)
+    fields["cost_coeffs"] = list(config.cost_coeffs) if config.cost_coeffs else None
+    if config.ranks_per_node is None:  # node-blind specs (and their cache keys) stay as they were
+        del fields["ranks_per_node"]
+    spec = {"config": fields, "cost": cost_to_spec(cost_model), "routing": ROUTING_HEADER}
+    return json.dumps(spec, sort_keys=True)
+
+
+def parse_planner_spec(spec: str) -> tuple[BalanceConfig, CostModel]:
+    fields = json.loads(spec)
+    config = fields["config"]
+    if config["cost_coeffs"] is not None:
+        config["cost_coeffs"] = tuple(config["cost_coeffs"])
+    return BalanceConfig(**config), cost_from_spec(fields["cost"])
+
+
+def planner_spec_for(
+    config: BalanceConfig, architecture: ArchitectureCost | None, frame_independent: bool
+) -> str:
+    """The planner spec of a ViT under ``config``: its cost model chosen from ``config`` and the
+    ViT's architecture cost (None: unknown), frames split only if the ViT encodes them
+    independently. The one rule of every path (registered ViTs, Hugging Face towers)."""
+    cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture)
+    split = config.split_frames and frame_independent
+    return planner_spec(dataclasses.replace(config, split_frames=split), cost_model)
+
+
+def planner_for(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
+    """``(planner spec string, merge size)`` for ``vit`` under ``config``.
+
+    Kept on the ViT for the last config it was asked with, so a step pays for the JSON once.
+    Under ``torch.compile`` it is a constant (the ViT's class and the config do not change
+    while a compiled graph lives, and the string is an argument of the ``plan`` op, so it is
+    part of the graph and of every cache key). Dynamo before torch 2.13 cannot make a constant
+    of a call on a module, so there the settings must have been made before the trace.
+
+    Raises:
+        RuntimeError: traced by dynamo before torch 2.13 with no settings made yet.
+    """
+    cached = getattr(vit, "_vitbal_settings", None)
+    if cached is not None and cached[0] is config:
+        return cached[1]
+    if torch.compiler.is_compiling() and not _compat.DYNAMO_CALLS_ON_MODULES_ARE_CONSTANTS:
+        raise RuntimeError(
+            f"vit dp balance: torch {torch.__version__} cannot trace the balancing settings of "
+            f"a {type(vit).__qualname__} (torch >= 2.13 can); make them before compiling: "
+            "call fx_vitbal.enable_vit_balance on the ViT or its model, or call "
+            "dp_balance_vit_encoder once outside torch.compile with the same config object"
+        )
+    settings = _settings(vit, config)
+    if not torch.compiler.is_compiling():
+        vit._vitbal_settings = (config, settings)
+        layout_token(vit)  # made here too, so graphs traced later read it as a constant
+    return settings
+
+
+def layout_token(vit: nn.Module) -> int:
+    """A number naming ``vit`` for the output layouts the ranks agreed on
+    (``layouts.layout_key``): unique in this process, never reused by a later ViT the way
+    ``id()`` is once the first is freed. Kept on the ViT; a graph traced before it had one
+    bakes a fresh one in as a constant (its first call then agrees on layouts again)."""
+    token = getattr(vit, "_vitbal_layout_token", None)
+    if token is None:
+        token = _new_layout_token()
+        if not torch.compiler.is_compiling():
+            vit._vitbal_layout_token = token
+    return token
+
+
+_LAYOUT_TOKENS = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def _new_layout_token() -> int:
+    return next(_LAYOUT_TOKENS)
+
+
+@torch.compiler.assume_constant_result
+def _settings(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
+    spec = vision_encoder_spec(vit)
+    architecture = spec.cost_model(unwrap_module(vit)) if spec.cost_model is not None else None
+    return planner_spec_for(config, architecture, spec.frame_independent), spec.merge_size(vit)
+
+
+def active_group(
+    vit: nn.Module, config: BalanceConfig, group: dist.ProcessGroup | None
+) -> tuple[str, int] | None:
+    """``(group_name, world_size)`` to balance this call over, or None when it runs plainly:
+    no multi-rank group, or balancing inactive (``balancing_active``). The one gate of every
+    path."""
+    dist_info = group_name_and_size(group)
+    return dist_info if dist_info is not None and balancing_active(vit, config) else None
+
+
+def balancing_active(vit: nn.Module, config: BalanceConfig) -> bool:
+    """The one rule of every path: enabled, and the ViT trains or ``config.when == "always"``.
+    (Whether a multi-rank group exists is the caller's other condition.)"""
+    return config.enabled and in_balancing_mode(vit, config.when)
+
+
+def in_balancing_mode(vit: nn.Module, when: str) -> bool:
+    """``vit`` trains, or ``when == "always"``; rewritten graphs call this when they run."""
+    return vit.training or when == "always"
+
+
+def group_name_and_size(group: dist.ProcessGroup | None) -> tuple[str, int] | None:
+    """``(group_name, world_size)`` of ``group`` (default: WORLD); None when not distributed.
+
+    Warns once when the environment says several ranks were launched (``WORLD_SIZE`` > 1, as
+    torchrun sets it) but no process group is initialised: balancing would silently be off.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if not torch.compiler.is_compiling():  # eager calls warn; dynamo would trace the cache
+            _warn_if_launched_without_group()
+        return None
+    group = group or dist.group.WORLD
+    size = dist.get_world_size(group)
+    return (group.group_name, size) if size > 1 else None
+
+
+@functools.cache
+def _warn_if_launched_without_group() -> None:
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        log.warning(
+            "vit dp balance: WORLD_SIZE=%s but no torch.distributed process group is "
+            "initialised, so ViT balancing is off; call torch.distributed.init_process_group() "
+            "before the first step",
+            launched,
+        )
