@@ -6,7 +6,8 @@ plan is skipped). Each step is the ViT's forward+backward through ``dp_balance_v
 "in step" plans inside it (``vitbal::plan``: the metadata gather and the solve), "ahead" is handed
 a plan made before by ``fx_vitbal.plan_ahead`` over a gloo group of its own, so the step only
 checks that its batch is the planned one. The plan's time is measured inside each timed step
-(``planning.plan``, resp. the hand-over, wrapped with a clock), so the share is of the same run.
+(``vitbal::plan`` wrapped with a clock: in the step it gathers and solves, ahead it takes the
+plan handed over and checks the batch), so the share is of the same run.
 Medians over ``--repeats`` runs, modes interleaved run by run, each run after a barrier.
 
     python benchmarks/ahead.py [--repeats 15]
@@ -21,7 +22,6 @@ import torch.distributed as dist
 from e2e import EVEN, SKEWED, VIT, WORLD, _table, inputs, launch, print_machine
 
 import fx_vitbal
-import fx_vitbal.runtime.call
 from fx_vitbal.runtime import planning
 from fx_vitbal.runtime.planning import plan_units
 from fx_vitbal.runtime.settings import planner_for
@@ -91,8 +91,7 @@ def rank_main(rank: int, repeats: int) -> None:
     vit = QwenStyleViT(VIT)
     plan_group = dist.new_group(backend="gloo")
     clock = Clock()
-    planning.plan = clock.wrap(planning.plan)  # the in-step planning: gather + solve
-    fx_vitbal.runtime.call._planned_inputs = clock.wrap(fx_vitbal.runtime.call._planned_inputs)
+    planning.plan = clock.wrap(planning.plan)  # gather + solve, or the hand-over
     results = {
         "skewed": measure(rank, vit, SKEWED[rank], plan_group, repeats, clock),
         "even": measure(rank, vit, EVEN, plan_group, repeats, clock),

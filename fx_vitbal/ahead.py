@@ -6,7 +6,12 @@ and hand it to the balanced ViT call, which then runs no metadata gather and no 
     planned = fx_vitbal.plan_ahead(vit, pixel_values, image_grid_thw, group=plan_group)
     # in the step:
     fx_vitbal.dp_balance_vit_encoder(vit, pixel_values, image_grid_thw, plan=planned)
-    # or, for a model balanced in place: fx_vitbal.use_plan(model, planned); model(...)
+    # or, for a model balanced in place, an FX graph the pass rewrote, a compiled model
+    # (fullgraph=True too) or a Hugging Face VLM: fx_vitbal.use_plan(model, planned); model(...)
+
+For a Hugging Face VLM, ``plan_ahead(model, pixel_values, image_grid_thw,
+pixel_values_videos=..., video_grid_thw=...)`` plans the parent's images and videos as its one
+tower call will see them.
 
 Rules that keep the ranks in lockstep:
 - ``plan_ahead`` is a collective on ``group`` (one small gather, the one the step would issue):
@@ -14,125 +19,33 @@ Rules that keep the ranks in lockstep:
   than the step, ``group`` must be a group of its own, so its gather never interleaves with the
   step's collectives on another communicator; its ranks must be the step group's, in the same
   order (checked at the step, from group membership: the same answer on every rank).
-- The step compares, on each rank and without communicating, the batch the ViT gets (pixel
-  shape, dtype and ``requires_grad``, the grid's values) and the settings (planner, merge size)
-  with what was planned. A rank whose batch differs still takes part in the exchange with the
-  planned shapes (zeros stand in for its pixels when the shapes differ) and sets a flag: in its
-  routing when the host knows it, or, for a grid on the device, as a device boolean compared
-  there. The flag rides in the rank's status word inside the outputs' exchange
-  (``fx_vitbal.runtime.status``): every rank then raises the same ``ValueError`` in ``restore``'s
-  backward (or at the end of ``restore`` when no backward will come), before any optimizer step
-  can use the outputs. No collective and no host read are added for it.
+- The step takes the plan inside its ``vitbal::plan`` op and compares its batch with the planned
+  one without communicating (``runtime.handover``): a batch that differs makes every rank raise
+  the same ``ValueError`` before any optimizer step can use the outputs, with no collective and
+  no host read added.
 - The output-layout key of a planned call (``runtime.layouts.layout_key``: the ViT, pixel dtype,
   autocast) is taken when it is planned: plan under the autocast state of the step.
-- When the plan moves nothing (``plan.applied`` is False, the same on every rank), the step has
-  no collective at all: a rank whose batch differs runs its ViT on the batch it got, locally,
-  which is exactly the unbalanced call (a malformed batch then fails there as it would
-  unbalanced); it logs a warning. Nothing crosses ranks, so no other rank can be corrupted.
-- ``torch.compile``: with ``fullgraph=False`` the hand-over runs eagerly between graphs (it is
-  ``torch.compiler.disable``d), so a compiled call uses the plan; ``fullgraph=True`` cannot
-  leave the graph and refuses a plan (``runtime.call._planned_inputs``): the graph plans in the
-  step.
+- ``torch.compile``: the plan op's body runs eagerly in any graph, so a compiled call uses a plan
+  handed over with ``use_plan`` before it, ``fullgraph=True`` included.
 """
 
-import dataclasses
 import logging
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.plan.units import Plan
-from fx_vitbal.runtime import planning, status, transfer
-from fx_vitbal.runtime.planning import group_ranks, max_units, resolve_group, solve_for_rank
+from fx_vitbal.runtime import handover
+from fx_vitbal.runtime.handover import PlannedBatch, batch_key
+from fx_vitbal.runtime.planning import group_ranks, solve_for_rank
 from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.settings import layout_token, planner_for
-from fx_vitbal.runtime.vits import find_vit, is_balanced_in_place
+from fx_vitbal.runtime.vits import entry_points, find_vit, is_balanced_in_place, unwrap_module
+
+__all__ = ["PlannedBatch", "plan_ahead", "use_plan"]
 
 log = logging.getLogger(__name__)
-
-# What a step compares with the batch it was planned for: pixel shape, dtype, requires_grad, grid.
-BatchKey = tuple[tuple[int, ...], torch.dtype, bool, list]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PlannedBatch:
-    """One rank's plan for one batch, made by ``plan_ahead``; every tensor is on the CPU."""
-
-    plan: Plan
-    """The solved plan, the same on every rank (``applied``, ``reason``, loads, rows moved)."""
-    grid: torch.Tensor
-    """The grid rows this rank's ViT computes, in arrival order (``vitbal::plan``'s grid)."""
-    routing: torch.Tensor
-    """This rank's packed ``routing.Routing`` (``vitbal::plan``'s second output), parsed."""
-    settings: tuple[str, int]
-    """``(planner spec, merge size)`` it was solved with; the step must use the same."""
-    ranks: tuple[int, ...]
-    """Global ranks of the planning group, in group order."""
-    batch: BatchKey
-    """This rank's batch as planned (see ``batch_key``)."""
-
-    def for_step(
-        self,
-        pixel_values: torch.Tensor,
-        image_grid_thw: torch.Tensor,
-        settings: tuple[str, int],
-        group_name: str,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(pixels, balanced grid, routing)`` for ``runtime.call.run_balanced``, in place of
-        ``vitbal::plan``'s outputs (see the module doc for a batch that differs).
-
-        Raises:
-            ValueError: the planning group's ranks are not the step group's, in the same order.
-        """
-        step_ranks = group_ranks(resolve_group(group_name))
-        if step_ranks != self.ranks:
-            raise ValueError(
-                f"plan_ahead planned over ranks {list(self.ranks)} but the ViT call's group has "
-                f"ranks {list(step_ranks)}; plan over a group with the same ranks, in order"
-            )
-        status.check(group_name)  # a step whose backward never ran: its outputs' verdict first
-        route = Routing.of(self.routing)
-        if not route.applied:  # nothing moves anywhere: this rank's own batch, as it is
-            if settings != self.settings or not _same_shapes(
-                self.batch, pixel_values, image_grid_thw
-            ):
-                log.warning(
-                    "vit dp balance: rank %d's batch or settings differ from the ones planned "
-                    "ahead; the plan moves nothing, so this rank runs its ViT on its own batch",
-                    dist.get_rank(resolve_group(group_name)),
-                )
-            return _local_step(pixel_values, image_grid_thw, settings, route, group_name)
-        grid = transfer.to_device(self.grid, image_grid_thw.device).to(image_grid_thw.dtype)
-        if settings == self.settings and _same_shapes(self.batch, pixel_values, image_grid_thw):
-            routing = self.routing
-            if transfer.on_host(image_grid_thw):
-                if image_grid_thw.tolist() != self.batch[3]:  # a host read: waits for nothing
-                    routing = _flagged(self.routing)
-            else:  # compared where the grid lives; the verdict rides in the status word
-                planned = transfer.to_device(torch.tensor(self.batch[3]), image_grid_thw.device)
-                routing._vitbal_grid_differs = (image_grid_thw != planned).any()
-            return pixel_values, grid, routing
-        shape, dtype, _, _ = self.batch
-        stand_in = torch.zeros(shape, dtype=dtype, device=pixel_values.device)
-        return stand_in, grid, _flagged(self.routing)
-
-
-def _same_shapes(batch: "BatchKey", pixel_values, image_grid_thw) -> bool:
-    """The host-known part of ``batch_key``: pixel shape, dtype, requires_grad, grid rows."""
-    shape, dtype, grad, grid = batch
-    return (tuple(pixel_values.shape), pixel_values.dtype, pixel_values.requires_grad) == (
-        shape,
-        dtype,
-        grad,
-    ) and tuple(image_grid_thw.shape) == (len(grid), 3)
-
-
-def _flagged(routing: torch.Tensor) -> torch.Tensor:
-    """``routing`` marked ``Routing.mismatched``: restore's status word then makes every rank
-    raise."""
-    return Routing.of(routing).repacked(routing, mismatched=True)
 
 
 def plan_ahead(
@@ -142,6 +55,8 @@ def plan_ahead(
     *,
     group: dist.ProcessGroup,
     config: BalanceConfig | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
 ) -> PlannedBatch:
     """Gather every rank's grid over ``group`` and solve this batch's plan now, for a later
     balanced ViT call (``dp_balance_vit_encoder(..., plan=...)`` or ``use_plan``).
@@ -153,31 +68,39 @@ def plan_ahead(
     group's ranks in the same order.
 
     Args:
-        vit: the ViT the step calls; a ViT balanced in place by ``enable_vit_balance`` brings
-            the config it was given, unless ``config`` is passed.
+        vit: the ViT the step calls, or a model it is balanced in (``enable_vit_balance``: it
+            brings the config it was given, unless ``config`` is passed), or a Hugging Face VLM
+            or tower balanced by it.
         pixel_values: the pixels exactly as the ViT will get them (shape, dtype,
             ``requires_grad``; a ``device="meta"`` tensor of that shape and dtype is enough, and
-            copies nothing), or None on a rank without images (as in the step).
+            copies nothing), or None on a rank without images (as in the step). For a Hugging
+            Face VLM: the batch's ``pixel_values`` as the processor gave them.
         image_grid_thw: their ``[t, h, w]`` rows (on the CPU: reading them waits for nothing).
         group: the group to gather over (gloo: everything stays on the CPU).
         config: balancing settings; must be the step's.
+        pixel_values_videos, video_grid_thw: a Hugging Face VLM's videos of the batch.
 
     Returns:
         This rank's ``PlannedBatch``, for one step's ViT call.
 
     Raises:
         ValueError: on every rank, when any rank's input or settings are bad (as in the step).
+        TypeError: videos given for a ViT that is not a Hugging Face one.
     """
-    if "_vitbal_planner" in vars(vit) and config is None:
-        settings = vit._vitbal_planner
-    else:
-        settings = planner_for(vit, config or BalanceConfig())
+    module, settings, _ = _planned_module(vit, None, config)
+    entry = _entry_of(module)
+    if entry is not None:  # the one tower call its parent will make (images, then videos)
+        pixel_values, image_grid_thw = entry.plan_input(
+            module, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+        )
+    elif pixel_values_videos is not None or video_grid_thw is not None:
+        raise TypeError("videos are planned apart only for Hugging Face VLMs; pass them as pixels")
     if pixel_values is None:  # the stand-ins the step uses for a rank without images
         pixel_values = torch.empty(0, 0)
         image_grid_thw = torch.empty(0, 3, dtype=torch.long)
     planner, merge = settings
     grid, routing, solved = solve_for_rank(
-        pixel_values, image_grid_thw, merge, planner, group, module_key=layout_token(vit)
+        pixel_values, image_grid_thw, merge, planner, group, module_key=layout_token(module)
     )
     Routing.of(routing)  # parse it here, not in the step
     return PlannedBatch(
@@ -191,41 +114,60 @@ def plan_ahead(
 
 
 def use_plan(model: nn.Module, plan: PlannedBatch, *, vit: str | nn.Module | None = None) -> None:
-    """Hand ``plan`` to the next call of the ViT that ``enable_vit_balance`` balances in ``model``
-    (``model`` may be that ViT); that call consumes it, a later one plans in the step again.
+    """Hand ``plan`` to the next balanced call of the ViT in ``model``: one balanced in place by
+    ``enable_vit_balance`` (compiled or not, ``fullgraph=True`` too), a Hugging Face tower, the
+    ViT of an FX graph that ``apply_vit_balance_pass`` rewrote, or ``model`` itself when it is
+    the ViT (for the ``dp_balance_vit_encoder`` calls of a compiled function). That call
+    consumes it; a later one plans in the step again. Call it outside any compiled function,
+    before the call.
 
     Raises:
-        ValueError: the ViT is not balanced in place.
-        TypeError: a Hugging Face tower (not supported with plan-ahead yet).
+        ValueError: the ViT is not balanced.
     """
-    module = model if vit is None and is_balanced_in_place(model) else find_vit(model, vit)
-    if not is_balanced_in_place(module):
-        raise ValueError(f"{type(module).__qualname__} is not balanced: call enable_vit_balance")
-    if hasattr(module, "_vitbal_hf"):
-        raise TypeError("plan-ahead does not support Hugging Face vision towers yet")
-    module._vitbal_next_plan = plan
+    module, _, balanced = _planned_module(model, vit, None)
+    if not balanced:
+        raise ValueError(
+            f"{type(module).__qualname__} is not balanced: call enable_vit_balance on it or its "
+            "model, or rewrite the model's graph with apply_vit_balance_pass"
+        )
+    handover.hand_over(layout_token(module), plan)
 
 
-def batch_key(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> BatchKey:
-    """What a step compares with the planned batch: pixel shape, dtype, ``requires_grad`` and
-    grid values (read here, ahead of the step; the step compares a device grid on the device)."""
-    shape = tuple(pixel_values.shape)
-    return shape, pixel_values.dtype, pixel_values.requires_grad, image_grid_thw.tolist()
+def _planned_module(model, vit, config) -> tuple[nn.Module, tuple[str, int], bool]:
+    """The module whose balanced call a plan is for, its ``(planner spec, merge size)``, and
+    whether that call is balanced by itself (a ViT balanced in place, a Hugging Face tower, the
+    ViT of a rewritten graph), so a plan handed to it is taken."""
+    inner = unwrap_module(model)
+    plan_node = _plan_node(inner)
+    if vit is None and is_balanced_in_place(inner):
+        module = inner
+    elif vit is None and _entry_of(inner) is not None:
+        module = next(m for m in inner.modules() if hasattr(m, "_vitbal_hf"))
+    else:
+        module = find_vit(inner, vit)
+    if hasattr(module, "_vitbal_hf"):  # a Hugging Face tower
+        settings = (module._vitbal_hf.planner, module.spatial_merge_size)
+    elif plan_node is not None:  # the pass baked them into the graph
+        settings = (plan_node.args[3], plan_node.args[2])
+    elif "_vitbal_planner" in vars(module) and config is None:
+        settings = module._vitbal_planner
+    else:
+        settings = planner_for(module, config or BalanceConfig())
+    # A ViT passed itself: the dp_balance_vit_encoder calls of a compiled function take its plan.
+    balanced = is_balanced_in_place(module) or plan_node is not None or module is inner
+    return module, settings, balanced
 
 
-def _local_step(pixel_values, image_grid_thw, settings, route, group_name):
-    """A rank's own batch, kept home (the plan moved nothing anywhere): ``vitbal::plan``'s
-    inactive outputs, with the pixel layout the ranks agreed on, so a rank without images still
-    runs the dummy unit in their row width."""
-    planner, merge = settings
-    world = dist.get_world_size(resolve_group(group_name))
-    grid, routing = planning.plan(
-        pixel_values, image_grid_thw, merge, planner, world, group_name, active=False
-    )
-    local = dataclasses.replace(
-        Routing.of(routing),
-        any_units=route.any_units or bool(pixel_values.shape[0]),
-        row_numel=route.row_numel,
-        dtype_code=route.dtype_code,
-    )
-    return pixel_values, grid, local.to_tensor(max_units(pixel_values.shape[0], merge))
+def _entry_of(module: nn.Module):
+    """The entry point planning ``module``'s tower input (a Hugging Face VLM or tower), if any."""
+    if not any(hasattr(m, "_vitbal_hf") for m in module.modules()):
+        return None
+    return next((e for e in entry_points() if e.plan_input and e.accepts(module)), None)
+
+
+def _plan_node(model: nn.Module) -> fx.Node | None:
+    """The ``vitbal::plan`` node of an FX graph the pass rewrote, else None."""
+    if not isinstance(model, fx.GraphModule):
+        return None
+    plan_op = torch.ops.vitbal.plan.default
+    return next((n for n in model.graph.nodes if n.target is plan_op), None)

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fx_vitbal.config import BalanceConfig
+from fx_vitbal.runtime import handover
 from fx_vitbal.runtime.call import run_balanced, stand_in_pixels
-from fx_vitbal.runtime.settings import DEFAULT_CONFIG, active_group, planner_for
+from fx_vitbal.runtime.settings import DEFAULT_CONFIG, active_group, layout_token, planner_for
 from fx_vitbal.runtime.vits import (
     EntryPoint,
     entry_points,
@@ -47,8 +48,10 @@ def dp_balance_vit_encoder(
     Every rank of ``group`` must call this at the same step (with zero images if it has none).
     Without an initialised process group, with one rank, or with ``config.enabled`` False it is a
     plain call. ``vit`` needs no registration (see the module doc). ``plan``: this batch's plan,
-    made ahead by ``fx_vitbal.plan_ahead`` (then no metadata gather and no planning runs here;
-    eager only); every rank passes one or none does.
+    made ahead by ``fx_vitbal.plan_ahead`` (then no metadata gather and no planning runs here);
+    every rank passes one or none does. Inside a compiled function, hand the plan over before
+    the call with ``fx_vitbal.use_plan(vit, plan)`` instead (``fullgraph=True`` cannot leave the
+    graph to take it here).
 
     Returns:
         ``(pixel_embeds, window_index, deepstack_pixel_embeds)``, each embedding in the layout
@@ -60,8 +63,9 @@ def dp_balance_vit_encoder(
             batch is not the one ``plan`` was made for (``fx_vitbal.ahead``).
         TypeError: ``vit`` has no ``spatial_merge_size``.
     """
-    call = plain_forward(vit)
-    return _balanced_call(vit, call, pixel_values, image_grid_thw, config, group, planned=plan)
+    if plan is not None:
+        _hand_over(vit, plan)
+    return _balanced_call(vit, plain_forward(vit), pixel_values, image_grid_thw, config, group)
 
 
 def enable_vit_balance(
@@ -104,9 +108,7 @@ def enable_vit_balance(
     return model
 
 
-def _balanced_call(
-    vit, call, pixel_values, image_grid_thw, config=None, group=None, planner=None, planned=None
-):
+def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=None, planner=None):
     config = config or DEFAULT_CONFIG
     dist_info = active_group(vit, config, group)
     if dist_info is None:
@@ -126,7 +128,7 @@ def _balanced_call(
         return [embeds, *deepstack], window_index
 
     outputs, window_index = run_balanced(
-        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, planned, vit, problem
+        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, vit, problem
     )
     if outputs is None:  # no pixel tensor anywhere, or a problem every rank raises
         # (A compiled rank returns the plan's empty output: it keeps the op in the graph.)
@@ -138,21 +140,15 @@ def _balanced_call(
 
 def _in_place_call(vit, original, config, group, pixel_values, image_grid_thw):
     planner = vit._vitbal_planner
-    planned = None
-    if getattr(vit, "_vitbal_next_plan", None) is not None:  # fx_vitbal.use_plan: for one call
-        planned = _take_plan(vit)
-    return _balanced_call(
-        vit, original, pixel_values, image_grid_thw, config, group, planner, planned
-    )
+    return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group, planner)
 
 
 @torch.compiler.disable(
-    reason="a plan made ahead (fx_vitbal.plan_ahead) is handed over eagerly; with "
-    "fullgraph=True, let the compiled graph plan in the step (use no plan)"
+    reason="a plan made ahead (fx_vitbal.plan_ahead) is handed over eagerly; inside a compiled "
+    "function, call fx_vitbal.use_plan(vit, plan) before the compiled call instead"
 )
-def _take_plan(vit: nn.Module):
-    planned, vit._vitbal_next_plan = vit._vitbal_next_plan, None
-    return planned
+def _hand_over(vit: nn.Module, plan) -> None:
+    handover.hand_over(layout_token(vit), plan)
 
 
 register_entry_point(EntryPoint(__file__))

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import (
     assert_units_moved,
+    fullgraph_capture,
     record_collectives,
     record_moves,
     run_ranks,
@@ -17,6 +18,9 @@ from dist_utils import (
 )
 
 import fx_vitbal
+from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.runtime import handover
+from fx_vitbal.runtime.settings import layout_token
 from fx_vitbal.tools.models import ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
@@ -100,7 +104,7 @@ def _same_results(rank: int, world: int) -> dict:
     model = fx_vitbal.enable_vit_balance(_model())
     fx_vitbal.use_plan(model, inplace)
     results["in_place"] = (train_step(model, SKEWED[rank], rank), reference)
-    results["consumed"] = getattr(model.visual, "_vitbal_next_plan", None) is None
+    results["consumed"] = handover.take(layout_token(model.visual)) is None
     return results
 
 
@@ -222,6 +226,86 @@ def test_a_plan_runs_eagerly_between_compiled_graphs_and_fullgraph_refuses_it():
         torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
     assert_units_moved(results)
+
+
+STEADY = ["all_to_all", "all_to_all"]
+FIRST = ["all_to_all", "all_gather", "all_to_all"]
+
+
+def _ahead_on_every_path(rank: int, world: int) -> dict:
+    """Plans handed over with use_plan to an FX graph the pass rewrote, to a ViT called inside a
+    fullgraph=True compiled function, and to a whole model compiled with fullgraph=True."""
+    plan_group = dist.new_group(backend="gloo")
+    _, pixels, grid = make_inputs(SKEWED[rank], in_dim=24, seed=rank)
+    want = train_step(_model(), SKEWED[rank], rank)
+    out = {}
+
+    def step(name, model, planned_for):
+        planned = fx_vitbal.plan_ahead(planned_for, pixels, grid, group=plan_group)
+        fx_vitbal.use_plan(model, planned)
+        with record_collectives() as issued, record_moves() as moves, fullgraph_capture():
+            got = train_step(model, SKEWED[rank], rank)
+        forward = [name for phase, name, _, _ in issued if phase == "forward"]
+        out[name] = {
+            "got": got,
+            "forward": forward,
+            "moves": moves,
+            "applied": planned.plan.applied,
+        }
+
+    gm = apply_vit_balance_pass(symbolic_trace(_model()))
+    step("fx", gm, gm)
+    compiled = torch.compile(fx_vitbal.enable_vit_balance(_model()), backend="aot_eager")
+    step("compiled", compiled, compiled)
+    fullgraph = torch.compile(
+        fx_vitbal.enable_vit_balance(_model()), backend="aot_eager", fullgraph=True
+    )
+    step("fullgraph model", fullgraph, fullgraph)
+    # A ViT called inside a fullgraph compiled function, its plan handed over before the call.
+    vit = _model().visual
+    embeds_eager = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)[0].detach()
+
+    def call(pixels, grid):
+        return fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)[0]
+
+    fx_vitbal.use_plan(vit, fx_vitbal.plan_ahead(vit, pixels, grid, group=plan_group))
+    with record_collectives() as issued, fullgraph_capture():
+        embeds = torch.compile(call, backend="aot_eager", fullgraph=True)(pixels, grid)
+    out["fullgraph call"] = (embeds.detach(), embeds_eager, [n for _, n, _, _ in issued])
+    # A batch that differs from its plan on rank 1, in the fullgraph model: every rank raises.
+    planned = fx_vitbal.plan_ahead(fullgraph, pixels, grid, group=plan_group)
+    fx_vitbal.use_plan(fullgraph, planned)
+    other = OTHER if rank == 1 else SKEWED[rank]
+    try:
+        with fullgraph_capture():
+            train_step(fullgraph, other, rank)
+        out["error"] = None
+    except ValueError as error:
+        out["error"] = str(error)
+    out["want"] = want
+    return out
+
+
+def test_plans_made_ahead_serve_fx_graphs_and_fullgraph_compiled_models_alike():
+    results = run_ranks(_ahead_on_every_path, 3, timeout=480)
+    for res in results:
+        (want_logits, want_grads) = res["want"]
+        for name in ("fx", "compiled", "fullgraph model"):
+            got_logits, got_grads = res[name]["got"]
+            torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-6, msg=name)
+            # No metadata gather in the step: the pixels out and the outputs home (a new ViT's
+            # first call also agrees on its output layouts, between the two).
+            assert res[name]["forward"] in (STEADY, FIRST), (name, res[name]["forward"])
+            assert res[name]["applied"], name
+        embeds, eager, issued = res["fullgraph call"]
+        torch.testing.assert_close(embeds, eager, rtol=1e-5, atol=1e-6)
+        assert issued == STEADY, issued  # its eager call agreed on the layouts
+    errors = {res["error"] for res in results}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert error is not None and "not the batch planned ahead" in error and "rank(s) [1]" in error
+    assert_units_moved([res[name] for res in results for name in ("fx", "fullgraph model")])
 
 
 def _online_ahead(rank: int, world: int) -> list:

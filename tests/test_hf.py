@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import assert_units_moved, record_moves, run_ranks
+from dist_utils import assert_units_moved, record_collectives, record_moves, run_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 transformers = pytest.importorskip("transformers")
@@ -272,6 +272,72 @@ SIBLINGS = {
     ),
 }
 TOWER_GRIDS = [[[1, 16, 12], [1, 2, 2], [1, 6, 10], [1, 10, 14]], []]
+
+
+def _plan_ahead(model, batch: dict, group):
+    return fx_vitbal.plan_ahead(
+        model,
+        batch.get("pixel_values"),
+        batch.get("image_grid_thw"),
+        pixel_values_videos=batch.get("pixel_values_videos"),
+        video_grid_thw=batch.get("video_grid_thw"),
+        group=group,
+    )
+
+
+def _parents_planned_ahead(rank: int, world: int, families: list) -> dict:
+    plan_group = dist.new_group(backend="gloo")
+    results = {}
+    for family in families:
+        model = build_parent(family)
+        width = _pixel_width(model.get_encoder(modality="image"))
+        batches = [make_batch(family, rank, s, width) for s in range(2)]
+        reference = [_train_step(model, batch) for batch in batches]
+        fx_vitbal.enable_vit_balance(model)
+        steps = []
+        for batch in batches:  # the parent's images and videos, planned as its tower sees them
+            fx_vitbal.use_plan(model, _plan_ahead(model, batch, plan_group))
+            with record_collectives() as issued, record_moves() as moves:
+                got = _train_step(model, batch)
+            forward = [name for phase, name, _, _ in issued if phase == "forward"]
+            steps.append({"got": got, "forward": forward, "moves": moves})
+        # A batch that differs from its plan on rank 1 (rank 0's batch): every rank raises.
+        planned = fx_vitbal.plan_ahead(
+            model,
+            batches[1].get("pixel_values"),
+            batches[1].get("image_grid_thw"),
+            group=plan_group,
+        )
+        fx_vitbal.use_plan(model, planned)
+        try:
+            _train_step(model, make_batch(family, 0, 1, width) if rank == 1 else batches[1])
+            error = None
+        except ValueError as caught:
+            error = str(caught)
+        results[family] = {"reference": reference, "steps": steps, "error": error}
+    return results
+
+
+def test_a_parents_images_and_videos_planned_ahead_train_exactly_without_a_metadata_gather():
+    families = ["qwen2_vl", "glm4v"]  # GLM feeds its tower one-frame video rows
+    results = run_ranks(_parents_planned_ahead, 2, families)
+    for family in families:
+        for rank, res in enumerate(r[family] for r in results):
+            for step, (got, want) in enumerate(
+                zip([s["got"] for s in res["steps"]], res["reference"], strict=True)
+            ):
+                msg = f"{family} rank {rank} step {step}"
+                torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5, msg=msg)
+                torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5, msg=msg)
+            # The pixels out and the outputs home, no metadata gather (the group's first step
+            # also agrees on the output layouts).
+            for step, planned in enumerate(res["steps"]):
+                expected = ["all_to_all"] + ["all_gather"] * (step == 0) + ["all_to_all"]
+                assert planned["forward"] == expected, (family, rank, step, planned["forward"])
+        errors = {r[family]["error"] for r in results}
+        assert len(errors) == 1 and None not in errors, errors
+        assert "not the batch planned ahead" in errors.pop()
+        assert_units_moved([s for r in results for s in r[family]["steps"]])
 
 
 def _load(path: str):

@@ -263,23 +263,9 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     problem = 0  # raised on every rank by the tower call's plan, never here alone
     if kwargs.get("mm_encoder_outputs") is not None:
         problem = PROBLEMS["mm_encoder_outputs"]
-    parts = []  # (modality, pixels, grid as given, grid as fed to the tower)
-    for modality, pixel_key, grid_key in _MODALITIES:
-        if kwargs.get(pixel_key) is not None:
-            grid = kwargs[grid_key]
-            split = rule.one_frame_rows and modality == "video" and _is_integer_grid(grid)
-            fed = _one_frame_rows(grid) if split else grid
-            parts.append((modality, kwargs.pop(pixel_key).type(tower.dtype), grid, fed))
-    c = tower.config
-    width = c.in_channels * c.temporal_patch_size * c.patch_size**2
-    if len({p[1].shape[1:] for p in parts}) > 1:
-        problem = problem or PROBLEMS["modalities_differ"]
-    if parts and not problem:
-        pixels = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        grid = torch.cat([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
-    else:
-        pixels = torch.zeros(0, width, dtype=tower.dtype, device=tower.device)
-        grid = torch.zeros(0, 3, dtype=torch.long, device=tower.device)
+    parts = _tower_parts(tower, rule, kwargs)
+    pixels, grid, mixed = _tower_batch(tower, parts)
+    problem = problem or mixed
     if problem and not active:  # no collective to keep: this rank alone raises
         raise ValueError(f"vit dp balance: {describe_problem(problem)}")
     # Each image's rows, for the per-image split the parent expects: read before the tower, so
@@ -297,6 +283,54 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     if not parts:  # the empty entry ties this rank's output into the graph (module doc, 2.)
         features["image"] = _rows(out, 0, [0])
     return (), {**kwargs, "mm_encoder_outputs": features}
+
+
+def _tower_parts(tower, rule: TowerRule, kwargs: dict) -> list[tuple]:
+    """``(modality, pixels, grid as given, grid as fed to the tower)`` of each modality present,
+    popped from ``kwargs``, pixels in the tower's dtype."""
+    parts = []
+    for modality, pixel_key, grid_key in _MODALITIES:
+        if kwargs.get(pixel_key) is not None:
+            grid = kwargs[grid_key]
+            split = rule.one_frame_rows and modality == "video" and _is_integer_grid(grid)
+            fed = _one_frame_rows(grid) if split else grid
+            parts.append((modality, kwargs.pop(pixel_key).type(tower.dtype), grid, fed))
+    return parts
+
+
+def _tower_batch(tower, parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The one tower call's ``(pixels, grid, problem)``: the parts joined (images, then videos),
+    or an empty batch with a problem code when their row widths differ, or none is present."""
+    problem = PROBLEMS["modalities_differ"] if len({p[1].shape[1:] for p in parts}) > 1 else 0
+    if parts and not problem:
+        pixels = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        grid = torch.cat([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
+        return pixels, grid, 0
+    c = tower.config
+    width = c.in_channels * c.temporal_patch_size * c.patch_size**2
+    pixels = torch.zeros(0, width, dtype=tower.dtype, device=tower.device)
+    return pixels, torch.zeros(0, 3, dtype=torch.long, device=tower.device), problem
+
+
+def plan_input(module, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
+    """A batch of a balanced VLM (or tower, ``module``) as its one balanced tower call will see
+    it: ``(pixels, grid)`` for ``fx_vitbal.plan_ahead``.
+
+    Raises:
+        ValueError: the images' and videos' pixel rows differ in width (one tower call cannot
+            take both; the step would raise this on every rank).
+    """
+    tower = next(m for m in module.modules() if hasattr(m, "_vitbal_hf"))
+    batch = {
+        "pixel_values": pixel_values,
+        "image_grid_thw": image_grid_thw,
+        "pixel_values_videos": pixel_values_videos,
+        "video_grid_thw": video_grid_thw,
+    }
+    pixels, grid, problem = _tower_batch(tower, _tower_parts(tower, tower._vitbal_hf.rule, batch))
+    if problem:
+        raise ValueError(f"vit dp balance: {describe_problem(problem)}")
+    return pixels, grid
 
 
 def _rows(out, start, sizes):
@@ -343,4 +377,6 @@ def tower_files() -> dict[str, str]:
     return files
 
 
-register_entry_point(EntryPoint(__file__, is_hf_model, enable_hf_vit_balance, tower_files))
+register_entry_point(
+    EntryPoint(__file__, is_hf_model, enable_hf_vit_balance, tower_files, plan_input)
+)

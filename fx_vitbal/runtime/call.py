@@ -24,7 +24,6 @@ def run_balanced(
     planner,
     dist_info,
     grad_without_images=False,
-    planned=None,
     module=None,
     problem=0,
 ):
@@ -48,8 +47,8 @@ def run_balanced(
       ``find_unused_parameters`` needs it). The choice is the caller's, the same on every rank,
       so FSDP's backward collectives stay matched. (Under ``torch.compile`` the dummy unit always
       runs with gradients: zeros.)
-    ``planned`` (a ``fx_vitbal.ahead.PlannedBatch``) replaces the ``plan`` op's gather and solve.
-    ``module``: the ViT, which names its agreed output layouts (``layouts.layout_key``) and
+    ``module``: the ViT, which names its agreed output layouts (``layouts.layout_key``) and a
+    plan made ahead for it (``runtime.handover``: it replaces the plan op's gather and solve), and
     whose trainable parameters' gradients mark the end of its backward for the measured times
     (``fx_vitbal.measure.clock``; eager only: compiled calls report no time). ``problem``: a
     ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank.
@@ -60,26 +59,24 @@ def run_balanced(
     group_name, world_size = dist_info
     area = merge * merge
     compiling = torch.compiler.is_compiling()
-    if planned is None:
-        module_key = layout_token(module) if module is not None else 0
-        grid, routing = planning.plan(
-            pixel_values,
-            image_grid_thw,
-            merge,
-            planner,
-            world_size,
-            group_name,
-            True,
-            module_key,
-            problem,
-            compiling,
-        )
-        if problem:  # raised by the plan on every rank; its output keeps the op in the graph
-            return None, grid[:0]
-    else:
-        pixel_values, grid, routing = _planned_inputs(
-            planned, pixel_values, image_grid_thw, (planner, merge), group_name
-        )
+    module_key = layout_token(module) if module is not None else 0
+    grid, routing = planning.plan(
+        pixel_values,
+        image_grid_thw,
+        merge,
+        planner,
+        world_size,
+        group_name,
+        True,
+        module_key,
+        problem,
+        compiling,
+    )
+    # A problem is raised by the plan on every rank; its output keeps the op in the graph. With
+    # a plan made ahead (no gather), the rank's batch counts as not planned instead: it takes
+    # part in the exchange, and every rank raises in restore (``runtime.handover``).
+    if problem and (compiling or not Routing.of(routing).mismatched):
+        return None, grid[:0]
     if not compiling:
         route = Routing.of(routing)
         run = _timed(run, getattr(routing, "_vitbal_clock", None), module)
@@ -109,15 +106,6 @@ def _timed(run, clock, module):
         return outputs, extra
 
     return timed
-
-
-# Under torch.compile, dynamo runs it eagerly between graphs; fullgraph=True refuses it.
-@torch.compiler.disable(
-    reason="a plan made ahead (fx_vitbal.plan_ahead) is handed over eagerly; with "
-    "fullgraph=True, let the compiled graph plan in the step (pass no plan)"
-)
-def _planned_inputs(planned, pixel_values, image_grid_thw, settings, group_name):
-    return planned.for_step(pixel_values, image_grid_thw, settings, group_name)
 
 
 def _taking_part(pixel_values: torch.Tensor, route: Routing) -> torch.Tensor:

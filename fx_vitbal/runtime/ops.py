@@ -61,6 +61,8 @@ def redistribute(
     route = Routing.of(routing)
     if check_status:
         status.check(group_name, route.step)
+    if route.mismatched and out_rows is None:  # a batch not as planned: the planned sizes move
+        xs = [_as_planned(x, route, n, merge_area) for x, n in zip(xs, block_rows, strict=True)]
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     if route.applied:
         clock = getattr(routing, "_vitbal_clock", None)
@@ -74,6 +76,16 @@ def redistribute(
         blocks_xs = [x.clone() for x in blocks_xs]
     blocks_xs = with_dummy(blocks_xs, route.dummy_rows // merge_area, add=True)
     return [from_blocks(b, x, n) for b, x, n in zip(blocks_xs, xs, block_rows, strict=True)]
+
+
+def _as_planned(x: torch.Tensor, route: Routing, block_rows: int, merge_area: int):
+    """``x`` if it has the rows and row layout of this rank's planned units, else zeros of
+    them (the ranks expect those sizes; the flagged routing makes every rank raise later)."""
+    rows = sum(route.unit_rows) // merge_area * block_rows
+    if x.shape[0] == rows and x.dtype == route.dtype and row_numel(x) == route.row_numel:
+        return x
+    shape = x.shape[1:] if row_numel(x) == route.row_numel else (route.row_numel,)
+    return torch.zeros(rows, *shape, dtype=route.dtype, device=x.device)
 
 
 @redistribute.register_fake
@@ -136,8 +148,11 @@ def restore(
             )
         agreed = layouts_agreed(ranks, route.layout_key)
         xs, word = as_agreed(xs, block_rows, blocks, agreed)
-        unsound = status.kind(word) != status.OK  # a host word: no read of the device
-        word = _not_as_planned(word, route, getattr(routing, "_vitbal_grid_differs", None))
+        # Zeros in the home layout for unsound outputs, or a batch not as planned (its outputs
+        # would not fit the parent's batch): the rank's forward goes on, every rank raises later.
+        unsound = status.kind(word) != status.OK or route.mismatched  # host-known: no read
+        grid_differs = status.take_not_as_planned(group_name, route.step)
+        word = _not_as_planned(word, route, grid_differs)
         block_rows = [n for n, _, _ in agreed]
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     blocks_xs = with_dummy(blocks_xs, dummy, add=False)

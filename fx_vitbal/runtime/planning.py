@@ -19,7 +19,7 @@ from fx_vitbal.measure.measurements import measurements_for
 from fx_vitbal.measure.stats import defer, publish
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.plan.units import Plan
-from fx_vitbal.runtime import status, transfer
+from fx_vitbal.runtime import handover, status, transfer
 from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
 from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
 from fx_vitbal.runtime.routing import (
@@ -58,10 +58,11 @@ def plan(
     ``settings.planner_spec(config, cost_model)``; its fingerprint rides in the metadata, so
     ranks with different settings all raise. ``active=False`` (balancing off for this call,
     e.g. eval mode) gathers nothing: the local batch stays home and no collective runs in any op.
-    ``module_key`` names the ViT for its agreed output layouts (``layouts.layout_key``; 0 in
-    compiled graphs); ``problem`` is a ``metadata.PROBLEMS`` code the caller found, raised on
-    every rank; ``grad_fixed``: this call is compiled, so its pixels' ``requires_grad`` cannot
-    follow the other ranks'.
+    ``module_key`` names the ViT (its ``settings.layout_token``; 0: none) for its agreed output
+    layouts (``layouts.layout_key``) and for a plan made ahead for it, which replaces the gather
+    and the solve (``runtime.handover``); ``problem`` is a ``metadata.PROBLEMS`` code the caller
+    found, raised on every rank; ``grad_fixed``: this call is compiled, so its pixels'
+    ``requires_grad`` cannot follow the other ranks'.
     """
     group = resolve_group(group_name)
     if dist.get_world_size(group) != world_size:
@@ -77,6 +78,13 @@ def plan(
         dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
         return transfer.to_device(dummy, grid_thw.device), routing.to_tensor(units)
     status.check(group_name)  # a step whose backward never ran: its outputs' verdict first
+    planned = handover.take(module_key) if module_key else None
+    if planned is not None:  # made ahead (fx_vitbal.plan_ahead): no gather, no solve
+        units = max_units(pixel_values.shape[0], merge_size)
+        settings = (planner, merge_size)
+        return handover.step_outputs(
+            planned, pixel_values, grid_thw, settings, group, units, grad_fixed, problem
+        )
     grid, routing, _ = solve_for_rank(
         pixel_values, grid_thw, merge_size, planner, group, module_key, problem, grad_fixed
     )

@@ -86,9 +86,11 @@ class Routing:
             raise ValueError(f"{len(self.unit_rows)} units do not fit in max_units={max_units}")
         return torch.tensor(values + [0] * padding, dtype=torch.int64)
 
-    def repacked(self, routing: torch.Tensor, **changes) -> torch.Tensor:
-        """This routing with ``changes`` made, packed to the size of ``routing`` (its tensor)."""
-        max_units = (routing.numel() - ROUTING_HEADER - 2 * len(self.send_rows)) // 2
+    def repacked(self, routing: torch.Tensor, max_units: int | None = None, **changes):
+        """This routing with ``changes`` made, packed for ``max_units`` (default: the size of
+        ``routing``, its tensor)."""
+        if max_units is None:
+            max_units = (routing.numel() - ROUTING_HEADER - 2 * len(self.send_rows)) // 2
         return dataclasses.replace(self, **changes).to_tensor(max_units)
 
     @classmethod

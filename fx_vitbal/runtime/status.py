@@ -39,6 +39,7 @@ def kind(word: torch.Tensor) -> int:
 # Pending words by (group name, rank): ranks that are threads of one process (torch's threaded
 # test process group) keep their own.
 _PENDING: dict[tuple[str, int], dict[int, HostCopy]] = {}
+_FLAGS: dict[tuple[tuple[str, int], int], torch.Tensor] = {}
 _LOCK = threading.Lock()
 
 
@@ -53,6 +54,19 @@ def expect(group_name: str, step: int, words_R: torch.Tensor) -> None:
     key = _key(group_name)
     with _LOCK:
         _PENDING.setdefault(key, {})[step] = HostCopy(words_R)
+
+
+def flag_not_as_planned(group_name: str, step: int, differs: torch.Tensor) -> None:
+    """Keep a device boolean saying whether call ``step``'s batch is not the one planned ahead
+    for it (``runtime.handover``), for its ``restore`` to fold into the status word."""
+    with _LOCK:
+        _FLAGS[(_key(group_name), step)] = differs
+
+
+def take_not_as_planned(group_name: str, step: int) -> torch.Tensor | None:
+    """The device flag of call ``step`` (``flag_not_as_planned``), if any (taken)."""
+    with _LOCK:
+        return _FLAGS.pop((_key(group_name), step), None)
 
 
 def check(group_name: str, step: int | None = None) -> None:

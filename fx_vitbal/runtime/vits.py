@@ -221,6 +221,10 @@ class EntryPoint:
     enable: Callable[..., nn.Module] | None = None
     vit_code: Callable[[], dict[str, str]] = dict
     """Source files of the ViT classes it knows, imported so far -> class name."""
+    plan_input: Callable[..., tuple] | None = None
+    """``plan_input(module, pixel_values, image_grid_thw, pixel_values_videos,
+    video_grid_thw) -> (pixels, grid)``: a batch of a model it balances as the one balanced call
+    will see it, for ``fx_vitbal.plan_ahead``."""
 
 
 _ENTRY_POINTS: list[EntryPoint] = []

@@ -1,0 +1,161 @@
+"""Plans made ahead (``fx_vitbal.plan_ahead``), handed over to the ``vitbal::plan`` op of the
+ViT call they were made for.
+
+A plan waits here, keyed by the ViT's layout token and this rank, until that ViT's next
+balanced call: its ``vitbal::plan`` op takes it and returns the planned grid and routing instead
+of gathering and solving. The hand-over lives inside the op, so every path that calls the op
+uses it alike: the eager call, a ViT balanced in place, a Hugging Face tower, an FX graph the
+pass rewrote, and compiled graphs, ``fullgraph=True`` included (the op's body runs eagerly
+whatever graph holds it).
+
+The op compares, on each rank and without communicating, the batch it gets (pixel shape, dtype
+and ``requires_grad``, the grid's values) and the settings (planner, merge size) with what was
+planned. A rank whose batch differs still takes part in the exchange with the planned sizes
+(``redistribute`` sends zeros of the planned shape in place of pixels that do not fit) and its
+routing is flagged, or, for a grid on the device, a device flag is compared there; the flag
+rides in the rank's status word inside the outputs' exchange (``runtime.status``), so every
+rank raises the same ``ValueError`` in ``restore``'s backward (or at the end of ``restore`` when
+no backward will come). No collective and no host read are added for it. When the plan moves
+nothing (the same on every rank), a rank runs its own batch locally, which is exactly the
+unbalanced call; a batch that differs then only logs a warning.
+"""
+
+import dataclasses
+import logging
+import threading
+
+import torch
+import torch.distributed as dist
+
+from fx_vitbal.plan.units import Plan
+from fx_vitbal.runtime import status, transfer
+from fx_vitbal.runtime.routing import Routing, local_only_routing, routing_size
+
+log = logging.getLogger(__name__)
+
+# What a step compares with the batch it was planned for: pixel shape, dtype, requires_grad, grid.
+BatchKey = tuple[tuple[int, ...], torch.dtype, bool, list]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlannedBatch:
+    """One rank's plan for one batch, made by ``plan_ahead``; every tensor is on the CPU."""
+
+    plan: Plan
+    """The solved plan, the same on every rank (``applied``, ``reason``, loads, rows moved)."""
+    grid: torch.Tensor
+    """The grid rows this rank's ViT computes, in arrival order (``vitbal::plan``'s grid)."""
+    routing: torch.Tensor
+    """This rank's packed ``routing.Routing`` (``vitbal::plan``'s second output), parsed."""
+    settings: tuple[str, int]
+    """``(planner spec, merge size)`` it was solved with; the step must use the same."""
+    ranks: tuple[int, ...]
+    """Global ranks of the planning group, in group order."""
+    batch: BatchKey
+    """This rank's batch as planned (see ``batch_key``)."""
+
+
+def batch_key(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> BatchKey:
+    """What a step compares with the planned batch: pixel shape, dtype, ``requires_grad`` and
+    grid values (read here, ahead of the step; the step compares a device grid on the device)."""
+    shape = tuple(pixel_values.shape)
+    return shape, pixel_values.dtype, pixel_values.requires_grad, image_grid_thw.tolist()
+
+
+# Plans waiting for their ViT's next call, by (layout token, global rank): ranks that are
+# threads of one process (torch's threaded test process group) keep their own.
+_WAITING: dict[tuple[int, int], PlannedBatch] = {}
+_LOCK = threading.Lock()
+
+
+def hand_over(layout_token: int, planned: PlannedBatch) -> None:
+    """Keep ``planned`` for the next balanced call of the ViT with ``layout_token``."""
+    with _LOCK:
+        _WAITING[(layout_token, dist.get_rank())] = planned
+
+
+def take(layout_token: int) -> PlannedBatch | None:
+    """The plan waiting for this call of the ViT with ``layout_token``, if any (taken)."""
+    with _LOCK:
+        return _WAITING.pop((layout_token, dist.get_rank()), None)
+
+
+def step_outputs(
+    planned: PlannedBatch,
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    settings: tuple[str, int],
+    group: dist.ProcessGroup,
+    max_units: int,
+    grad_fixed: bool,
+    problem: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vitbal::plan``'s outputs ``(balanced grid, routing)`` from ``planned`` (module doc).
+    ``max_units``: the routing size the op's fake kernel gives this call; ``grad_fixed``: the
+    call is compiled, so its pixels' ``requires_grad`` is not compared; ``problem``: a
+    ``metadata.PROBLEMS`` code the caller found, which with no gather to carry it makes this
+    rank's batch not the one planned.
+
+    Raises:
+        ValueError: the planning group's ranks are not the step group's, in the same order.
+    """
+    step_ranks = tuple(dist.get_process_group_ranks(group))
+    if step_ranks != planned.ranks:
+        raise ValueError(
+            f"plan_ahead planned over ranks {list(planned.ranks)} but the ViT call's group has "
+            f"ranks {list(step_ranks)}; plan over a group with the same ranks, in order"
+        )
+    route = Routing.of(planned.routing)
+    same = (
+        not problem
+        and settings == planned.settings
+        and _same_shapes(planned.batch, pixel_values, grid_thw, grad_fixed)
+    )
+    if not route.applied:  # nothing moves anywhere: this rank's own batch, as it is
+        if not same:
+            log.warning(
+                "vit dp balance: rank %d's batch or settings differ from the ones planned "
+                "ahead; the plan moves nothing, so this rank runs its ViT on its own batch",
+                dist.get_rank(group),
+            )
+        return _local_outputs(pixel_values, grid_thw, settings[1], route, len(step_ranks))
+    grid = transfer.to_device(planned.grid, grid_thw.device).to(grid_thw.dtype)
+    mismatched = not same
+    if same and transfer.on_host(grid_thw):
+        mismatched = grid_thw.tolist() != planned.batch[3]  # a host read: waits for nothing
+    elif same:  # compared where the grid lives; the verdict joins the status word
+        want = transfer.to_device(torch.tensor(planned.batch[3]), grid_thw.device)
+        status.flag_not_as_planned(group.group_name, route.step, (grid_thw != want).any())
+    units = max(max_units, len(route.unit_rows))  # only a batch that differs needs more
+    if not mismatched and planned.routing.numel() == routing_size(units, len(step_ranks)):
+        return grid, planned.routing  # as planned: with its clock (``measure.clock``)
+    routing = route.repacked(planned.routing, mismatched=mismatched, max_units=units)
+    routing._vitbal_clock = getattr(planned.routing, "_vitbal_clock", None)
+    return grid, routing
+
+
+def _same_shapes(batch: BatchKey, pixel_values, grid_thw, grad_fixed: bool) -> bool:
+    """The host-known part of ``batch_key``: pixel shape, dtype, requires_grad, grid rows."""
+    shape, dtype, grad, grid = batch
+    return (
+        (tuple(pixel_values.shape), pixel_values.dtype) == (shape, dtype)
+        and (grad_fixed or pixel_values.requires_grad == grad)
+        and tuple(grid_thw.shape) == (len(grid), 3)
+    )
+
+
+def _local_outputs(pixel_values, grid_thw, merge_size, route: Routing, world_size: int):
+    """A rank's own batch, kept home (the plan moved nothing anywhere): the inactive plan's
+    outputs, with the pixel layout the ranks agreed on, so a rank without images still runs the
+    dummy unit in their row width."""
+    local = dataclasses.replace(
+        local_only_routing(grid_thw.shape[0], world_size, merge_size),
+        any_units=route.any_units or bool(pixel_values.shape[0]),
+        row_numel=route.row_numel,
+        dtype_code=route.dtype_code,
+    )
+    units = pixel_values.shape[0] // (merge_size * merge_size)
+    if grid_thw.shape[0]:
+        return grid_thw.clone(), local.to_tensor(units)
+    dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
+    return transfer.to_device(dummy, grid_thw.device), local.to_tensor(units)
