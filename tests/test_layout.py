@@ -1,0 +1,49 @@
+"""The package's layering holds: no import cycles, no module over 400 lines, at most 8 modules
+flat in ``fx_vitbal/``, the planner free of ``torch.distributed``, and the entry points
+independent of each other (``benchmarks/layout.py`` reads the imports)."""
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("layout", ROOT / "benchmarks" / "layout.py")
+layout = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layout)
+
+# Each entry point's modules (the FX pass and the backend are one: the backend applies the pass).
+ENTRY_POINTS = [
+    {"fx_vitbal.encoder"},
+    {"fx_vitbal.ahead"},
+    {"fx_vitbal.integrations.hf"},
+    {"fx_vitbal.passes.backend", "fx_vitbal.passes.vit_balance", "fx_vitbal.passes.subgraph"},
+]
+
+
+def test_no_import_cycles_and_no_module_over_400_lines():
+    found = layout.modules()
+    assert layout.cycles(layout.import_graph(found)) == []
+    sizes = {name: len(path.read_text().splitlines()) for name, path in found.items()}
+    assert {name: n for name, n in sizes.items() if n > 400} == {}
+    assert len(list((ROOT / "fx_vitbal").glob("*.py"))) <= 8
+
+
+def test_lower_layers_never_import_higher_ones():
+    graph = layout.import_graph(layout.modules())
+    reach = {name: layout._reachable(graph, name) for name in graph}
+    for name, reached in reach.items():
+        if name.startswith("fx_vitbal.plan."):  # pure planning: no runtime, no collectives
+            assert not any(
+                r.startswith(("fx_vitbal.runtime", "fx_vitbal.measure")) for r in reached
+            )
+            assert (
+                "torch.distributed"
+                not in (ROOT / name.replace(".", "/")).with_suffix(".py").read_text()
+            ), name
+        if name.startswith(("fx_vitbal.cost.", "fx_vitbal.measure.")):
+            assert not any(r.startswith("fx_vitbal.runtime") for r in reached), (name, reached)
+        every_entry = set().union(*ENTRY_POINTS)
+        if name.startswith("fx_vitbal.runtime."):
+            assert not reached & every_entry, (name, reached & every_entry)
+        for entry in ENTRY_POINTS:  # an entry point builds on the runtime, never on another
+            if name in entry:
+                assert not reached & (every_entry - entry), (name, reached & (every_entry - entry))
