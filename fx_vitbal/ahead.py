@@ -37,8 +37,9 @@ from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.runtime import handover
+from fx_vitbal.runtime.collectives import group_ranks
 from fx_vitbal.runtime.handover import PlannedBatch, batch_key
-from fx_vitbal.runtime.planning import group_ranks, solve_for_rank
+from fx_vitbal.runtime.planning import solve_for_rank
 from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.settings import layout_token, planner_for
 from fx_vitbal.runtime.vits import entry_points, find_vit, is_balanced_in_place, unwrap_module

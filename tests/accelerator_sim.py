@@ -28,7 +28,7 @@ import torch
 from dist_utils import phase
 
 import fx_vitbal
-from fx_vitbal.runtime import collectives, metadata, transfer
+from fx_vitbal.runtime import collectives, transfer
 
 _LIBRARY = os.path.dirname(fx_vitbal.__file__)
 _PASSES = os.path.join(os.path.dirname(_LIBRARY), "passes")
@@ -117,8 +117,8 @@ def simulated_accelerator():
     patched = [
         (transfer, "on_host"),
         (transfer, "to_device"),
-        (metadata, "gathers_on_host"),
-        (metadata, "meta_device"),
+        (collectives, "gathers_on_host"),
+        (collectives, "meta_device"),
         (collectives, "all_gather"),
         (collectives, "all_to_all"),
     ] + [(torch.Tensor, name) for name in _READS]
@@ -146,8 +146,8 @@ def simulated_accelerator():
 
     transfer.on_host = lambda t: not _on_device(t)
     transfer.to_device = copied
-    metadata.gathers_on_host = lambda group: False
-    metadata.meta_device = lambda group, like: like  # the data's device
+    collectives.gathers_on_host = lambda group: False
+    collectives.meta_device = lambda group, like: like  # the data's device
     collectives.all_gather, collectives.all_to_all = gather, exchange
     for name in _READS:
         setattr(torch.Tensor, name, _reading(name, getattr(torch.Tensor, name)))

@@ -11,7 +11,7 @@ from dist_utils import run_ranks
 
 import fx_vitbal
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.runtime.metadata import meta_device
+from fx_vitbal.runtime.collectives import meta_device
 from fx_vitbal.tools.models import ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from fx_vitbal.runtime import collectives, status, transfer
-from fx_vitbal.runtime.metadata import meta_device
 from fx_vitbal.runtime.rows import DTYPES, row_numel
 
 # Outputs whose layouts one rank reports to the others in ``check_output_layouts``.
@@ -45,7 +44,7 @@ def check_output_layouts(
         _, dtype, numel = output_layout(x, n)
         header += [n if fits else -x.shape[0] - 1, dtype, numel]
     header += [0] * (1 + 3 * MAX_OUTPUTS - len(header))
-    device = meta_device(group, xs[0].device)
+    device = collectives.meta_device(group, xs[0].device)
     gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
     local = transfer.to_device(torch.tensor(header, dtype=torch.int64), device)
     collectives.all_gather(gathered, local, group)

@@ -98,9 +98,11 @@ def gather_grids(
         ValueError: on every rank, naming each bad rank and its problem.
     """
     world = dist.get_world_size(group)
-    device = meta_device(group, pixel_values.device)
+    device = collectives.meta_device(group, pixel_values.device)
     status, arg0, arg1 = _static_status(pixel_values, grid_thw)
-    on_device = not status and not transfer.on_host(grid_thw) and not gathers_on_host(group)
+    on_device = (
+        not status and not transfer.on_host(grid_thw) and not collectives.gathers_on_host(group)
+    )
     rows = []
     if not status and not on_device:  # a CUDA grid with a gloo group: its one read
         status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw.tolist(), merge_size)
@@ -175,37 +177,6 @@ def _settings_digest(planner: str, merge_size: int, world_size: int) -> int:
     spec["config"]["verbose"] = False
     text = f"{json.dumps(spec, sort_keys=True)}|{merge_size}|{world_size}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
-
-
-def gathers_on_host(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` has a CPU backend (gloo): metadata gathered there is read without
-    waiting for any device."""
-    return "gloo" in str(dist.get_backend(group))
-
-
-def meta_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
-    """Where metadata is gathered: the CPU when the group has a CPU backend (gloo: reading the
-    result syncs no device), else the device of the data (``like``), else the device the group
-    is bound to, else the current accelerator (else the CPU, if the backend serves it). Never a
-    hard-coded ``cuda``."""
-    if gathers_on_host(group):
-        return torch.device("cpu")
-    if like.type != "cpu":
-        return like
-    bound = getattr(group, "bound_device_id", None)
-    if bound is not None:
-        return bound
-    # A CUDA build on a machine without a GPU still names CUDA: only a usable one counts.
-    accelerator = (
-        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    )
-    if accelerator is None:
-        # A backend that also serves the CPU, on a machine without an accelerator (torch's
-        # threaded test process group, say): the data's CPU.
-        if "cpu" in dist.Backend.backend_capability.get(str(dist.get_backend(group)), ()):
-            return like
-        raise ValueError(f"group {group.group_name!r} has no CPU backend and no device was found")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _static_status(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[int, int, int]:

@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from fx_vitbal.measure.stats import publish
 from fx_vitbal.runtime import status, transfer
+from fx_vitbal.runtime.collectives import group_ranks, resolve_group
 from fx_vitbal.runtime.exchange import exchange
 from fx_vitbal.runtime.layouts import (
     agree_layouts,
@@ -33,7 +34,6 @@ from fx_vitbal.runtime.layouts import (
     check_output_layouts,
     layouts_agreed,
 )
-from fx_vitbal.runtime.planning import group_ranks, resolve_group
 from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.rows import as_blocks, from_blocks, row_numel, with_dummy
 

@@ -20,6 +20,7 @@ from fx_vitbal.measure.stats import defer, publish
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime import handover, status, transfer
+from fx_vitbal.runtime.collectives import group_ranks, resolve_group
 from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
 from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
 from fx_vitbal.runtime.routing import (
@@ -31,11 +32,6 @@ from fx_vitbal.runtime.routing import (
 )
 from fx_vitbal.runtime.rows import DTYPES
 from fx_vitbal.runtime.settings import parse_planner_spec
-
-
-def resolve_group(group_name: str) -> dist.ProcessGroup:
-    """The process group registered under ``group_name``."""
-    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
 @torch.library.custom_op("vitbal::plan", mutates_args=())
@@ -160,11 +156,6 @@ def solve_for_rank(
 
 # Ids of the calls planned in this process, for their status words and deferred reports.
 _CALL_IDS = itertools.count(1)
-
-
-def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
-    """The global ranks of ``group``, in group order (what its agreed layouts are kept by)."""
-    return tuple(dist.get_process_group_ranks(group))
 
 
 def max_units(pixel_rows: int, merge_size: int) -> int:
