@@ -41,7 +41,7 @@ from fx_vitbal.runtime.collectives import group_ranks
 from fx_vitbal.runtime.handover import PlannedBatch, batch_key
 from fx_vitbal.runtime.planning import solve_for_rank
 from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.settings import layout_token, planner_for
+from fx_vitbal.runtime.settings import DEFAULT_CONFIG, layout_token, planner_for
 from fx_vitbal.runtime.vits import entry_points, find_vit, is_balanced_in_place, unwrap_module
 
 __all__ = ["PlannedBatch", "plan_ahead", "use_plan"]
@@ -153,7 +153,7 @@ def _planned_module(model, vit, config) -> tuple[nn.Module, tuple[str, int], boo
     elif "_vitbal_planner" in vars(module) and config is None:
         settings = module._vitbal_planner
     else:
-        settings = planner_for(module, config or BalanceConfig())
+        settings = planner_for(module, config or DEFAULT_CONFIG)  # the step's default, cached
     # A ViT passed itself: the dp_balance_vit_encoder calls of a compiled function take its plan.
     balanced = is_balanced_in_place(module) or plan_node is not None or module is inner
     return module, settings, balanced

@@ -3,6 +3,7 @@ its own gives the step exactly the in-step result, with no metadata gather in th
 that differs from its plan on one rank makes every rank raise the same error, and the next step
 works. 3 gloo ranks, one without images."""
 
+import re
 import threading
 
 import pytest
@@ -280,8 +281,8 @@ def _ahead_on_every_path(rank: int, world: int) -> dict:
         with fullgraph_capture():
             train_step(fullgraph, other, rank)
         out["error"] = None
-    except ValueError as error:
-        out["error"] = str(error)
+    except ValueError as error:  # torch 2.8 appends the compiled backward's traceback
+        out["error"] = re.search("vit dp balance:.*?the order of the steps", str(error)).group(0)
     out["want"] = want
     return out
 
