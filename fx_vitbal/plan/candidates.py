@@ -5,8 +5,9 @@ rows and unit count kept exact move by move. The plan's lists and reported float
 rebuilt only on the ranks those moves touch: every other rank computes its own units, in order.
 """
 
+import operator
 from collections.abc import Sequence
-from itertools import accumulate, repeat
+from itertools import accumulate, compress, repeat
 from typing import NamedTuple
 
 import torch
@@ -24,13 +25,27 @@ from fx_vitbal.plan.units import (
 class Candidate(NamedTuple):
     """An assignment and what the planner weighs: ``moves[u]`` is the rank computing unit ``u``
     for every unit away from home; ``loads`` (fixed point), ``rows`` and ``counts`` are every
-    rank's under it; ``cap_respected`` whether it keeps the row cap."""
+    rank's under it; ``makespan`` the largest load; ``cap_respected`` whether it keeps the row
+    cap."""
 
     moves: dict[int, int]
     loads: list[int]
     rows: list[int]
     counts: list[int]
+    makespan: int
     cap_respected: bool
+
+
+def moves_of(ids: list[int], placed: list[int], homes: list[int]) -> dict[int, int]:
+    """``{unit: rank}`` for the placed units that left home (in C)."""
+    return dict(compress(zip(ids, placed, strict=True), map(operator.ne, placed, homes)))
+
+
+def make_candidate(
+    moves: dict[int, int], loads: list[int], rows: list[int], counts: list[int], cap: float
+) -> Candidate:
+    """A candidate of its moves and every rank's load, rows and unit count under them."""
+    return Candidate(moves, loads, rows, counts, max(loads), keeps_row_cap(rows, counts, cap))
 
 
 def candidate_from_dest(dest: Sequence[int], units: Units, cap: float) -> Candidate:
@@ -45,7 +60,7 @@ def candidate_from_dest(dest: Sequence[int], units: Units, cap: float) -> Candid
     counts = torch.bincount(dest_U, minlength=num_ranks).tolist()
     away = (dest_U != units.src_U).nonzero().squeeze(1)
     moves = dict(zip(away.tolist(), dest_U[away].tolist(), strict=True))
-    return Candidate(moves, loads, rows, counts, keeps_row_cap(rows, counts, cap))
+    return make_candidate(moves, loads, rows, counts, cap)
 
 
 def full_dest(candidate: Candidate, units: Units) -> list[int]:

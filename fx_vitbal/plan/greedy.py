@@ -6,8 +6,8 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from fx_vitbal.plan.candidates import Candidate, candidate_from_dest
-from fx_vitbal.plan.units import Units, keeps_row_cap
+from fx_vitbal.plan.candidates import Candidate, candidate_from_dest, make_candidate
+from fx_vitbal.plan.units import Units
 
 
 def place(
@@ -126,7 +126,7 @@ def refine(
     until the makespan is at most ``stop_load``, nothing helps, or ``max_iters`` steps ran.
 
     The per-rank unit lists are made only for the ranks a step looks at; loads stay exact."""
-    if max(candidate.loads) <= stop_load or not max_iters:  # the usual case
+    if candidate.makespan <= stop_load or not max_iters:  # the usual case
         return candidate
     moves = dict(candidate.moves)
     loads, rows, counts = candidate.loads[:], candidate.rows[:], candidate.counts[:]
@@ -186,7 +186,7 @@ def refine(
         for r in (hi, lo):
             heapq.heappush(highest, (-loads[r], r))
             heapq.heappush(lowest, (loads[r], r))
-    return Candidate(moves, loads, rows, counts, keeps_row_cap(rows, counts, cap))
+    return make_candidate(moves, loads, rows, counts, cap)
 
 
 def refine_dest(

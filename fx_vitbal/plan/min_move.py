@@ -7,10 +7,10 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from fx_vitbal.plan.candidates import Candidate, candidate_from_dest
+from fx_vitbal.plan.candidates import Candidate, candidate_from_dest, make_candidate, moves_of
 from fx_vitbal.plan.greedy import lpt_assign_within, place, refine
 from fx_vitbal.plan.shed import shed_over_target
-from fx_vitbal.plan.units import Units, keeps_row_cap
+from fx_vitbal.plan.units import Units
 
 
 def min_move(units: Units, order: list[int], cap: float, accept: int) -> Candidate:
@@ -20,10 +20,10 @@ def min_move(units: Units, order: list[int], cap: float, accept: int) -> Candida
     Returns the first attempt when it reaches ``accept``, else the better of it and a second
     attempt (``order``: every unit by cost descending)."""
     first = shed_and_place(units, cap, accept)
-    if max(first.loads) <= accept:
+    if first.makespan <= accept:
         return first
     # Neither may reach the target (the row cap binds): the lower makespan, for solve_plan to weigh.
-    return min(first, _fill_homes_first(units, order, cap, accept), key=_makespan)
+    return min(first, _fill_homes_first(units, order, cap, accept), key=lambda c: c.makespan)
 
 
 def shed_and_place(units: Units, cap: float, accept: int) -> Candidate:
@@ -33,13 +33,9 @@ def shed_and_place(units: Units, cap: float, accept: int) -> Candidate:
     placed = best_fit(
         shed.costs, shed.needs, shed.homes, loads, rows, counts, cap, accept, shed.by_load
     )
-    moves = {u: d for u, d, h in zip(shed.ids, placed, shed.homes, strict=True) if d != h}
-    candidate = Candidate(moves, loads, rows, counts, keeps_row_cap(rows, counts, cap))
+    moves = moves_of(shed.ids, placed, shed.homes)
+    candidate = make_candidate(moves, loads, rows, counts, cap)
     return refine(candidate, units, cap, accept, units.num_ranks)
-
-
-def _makespan(candidate: Candidate) -> int:
-    return max(candidate.loads)
 
 
 def _fill_homes_first(units: Units, order: list[int], cap: float, accept: int) -> Candidate:

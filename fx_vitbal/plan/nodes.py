@@ -41,12 +41,14 @@ from fx_vitbal.plan.candidates import (
     candidate_from_dest,
     full_dest,
     inter_node_rows,
+    make_candidate,
     moved_rows,
+    moves_of,
 )
 from fx_vitbal.plan.greedy import refine
 from fx_vitbal.plan.min_move import best_fit, min_move
 from fx_vitbal.plan.shed import shed_over_target
-from fx_vitbal.plan.units import Units, keeps_row_cap
+from fx_vitbal.plan.units import Units
 
 # Moving a row across nodes costs this many times moving it inside a node: NVLink 4 gives an H100
 # ~450 GB/s per direction, a node's network one 400 Gb/s NIC (50 GB/s) per GPU: ~9x; rounded down.
@@ -73,7 +75,7 @@ def node_min_move(
     Returns the node-aware candidate, and node-blind min-move's too when the node-aware one ends
     above ``accept``."""
     candidate = node_shed_and_place(units, cap, accept, ranks_per_node)
-    if max(candidate.loads) <= accept:
+    if candidate.makespan <= accept:
         return [candidate]
     return [candidate, min_move(units, order, cap, accept)]
 
@@ -116,10 +118,10 @@ def node_shed_and_place(
         )
         for k, d in zip(misfits, fitted, strict=True):
             placed[k] = d
-    moves = {u: d for u, d, h in zip(shed.ids, placed, shed.homes, strict=True) if d != h}
-    candidate = Candidate(moves, loads, rows, counts, keeps_row_cap(rows, counts, cap))
+    moves = moves_of(shed.ids, placed, shed.homes)
+    candidate = make_candidate(moves, loads, rows, counts, cap)
     candidate = refine(candidate, units, cap, accept, units.num_ranks)
-    if repair and max(candidate.loads) > accept:
+    if repair and candidate.makespan > accept:
         candidate = _repair(candidate, units, cap, accept, ranks_per_node)
     return candidate
 

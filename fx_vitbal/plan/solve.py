@@ -20,7 +20,6 @@ from fx_vitbal.plan.units import (
     Plan,
     Units,
     cap_unkeepable,
-    keeps_row_cap,
     row_cap,
 )
 
@@ -76,10 +75,10 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
     # Node-aware planning needs two nodes or more; 1 rank per node leaves no move inside a node.
     node_aware = ranks_per_node is not None and 1 < ranks_per_node < num_ranks
     cap = row_cap(units, config.max_len_ratio)
-    home_keeps_cap = keeps_row_cap(units.home_rows, units.counts, cap)
+    home_keeps_cap = units.keeps_cap_at_home(cap)
 
     def skip(reason: str) -> Plan:
-        home = Candidate({}, [], [], [], home_keeps_cap)
+        home = Candidate({}, [], [], [], 0, home_keeps_cap)
         return make_plan(home, units, False, reason, ranks_per_node)
 
     if num_ranks == 1:
@@ -101,8 +100,8 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
 
     # From here on, loads are fixed point (``Units.scale_exp``): exact, so comparisons and
     # running sums give the same answer on every rank.
-    home_loads, base = units.home_loads, units.base_fixed
-    total = sum(home_loads)
+    base = units.base_fixed
+    total = int(units.home_loads_R.sum())
     mean_load = -(-total // num_ranks)  # no plan's makespan is below the mean, rounded up
 
     # min-move aims first at the lower bound of any plan's makespan + the slack, without LPT
@@ -111,8 +110,9 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
     # below, and it is taken without asking them; that holds whether or not the current layout
     # keeps the cap. The one thing given up: on a few ranks LPT (or, node-aware, node-blind
     # min-move) may move fewer rows by chance. The exchange model weighs seconds, not the
-    # slack: it always takes the full path.
-    if config.strategy == "min-move" and exchange_seconds is None:
+    # slack: it always takes the full path; so does a cap no assignment keeps.
+    keepable = home_keeps_cap or not cap_unkeepable(units, cap)
+    if config.strategy == "min-move" and exchange_seconds is None and keepable:
         bound = max(mean_load, units.largest_cost)
         if units.history is not None:
             bound = max(bound, max(base), min(base) + units.largest_cost)
@@ -121,7 +121,7 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
             first = nodes.node_shed_and_place(units, cap, accept, ranks_per_node, repair=False)
         else:
             first = shed_and_place(units, cap, accept)
-        if max(first.loads) <= accept and first.cap_respected:
+        if first.makespan <= accept and first.cap_respected:
             return apply(first)
 
     order = units.by_cost_desc()
@@ -129,7 +129,6 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
     # nor one at or below the mean rows unless every rank ends exactly at the cap, and where it
     # keeps the cap the capped pass makes the same choices. Only try it when the cap has slack.
     slack = cap * num_ranks > units.total_tokens
-    keepable = home_keeps_cap or not cap_unkeepable(units, cap)
     free = lpt_assign(units, order) if keepable and slack else None
     free_plan = candidate_from_dest(free, units, cap) if free is not None else None
     if free_plan is None or not free_plan.cap_respected:
@@ -144,13 +143,13 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
     # would shed from nearly every rank and end as a worse greedy.
     hopeless = not keepable or not (home_keeps_cap or lpt.cap_respected)
     if config.strategy == "min-move" and not hopeless:
-        target = max(lpt.loads)
-        if target >= max(home_loads):
+        target = lpt.makespan
+        if target >= int(units.home_loads_R.max()):
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
             if free_plan is None:
                 free_plan = candidate_from_dest(lpt_assign(units, order), units, cap)
-            target = max(free_plan.loads)
+            target = free_plan.makespan
         # With an exchange model the trade-off, not a fixed slack, decides how far min-move may
         # trail: it offers plans at several slacks and the cheapest makespan + exchange wins.
         slacks = EXCHANGE_SLACKS if exchange_seconds is not None else (MAKESPAN_SLACK,)
@@ -168,7 +167,7 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
         best, cost = min(
             zip(pool, seconds, strict=True),
             key=lambda pair: (
-                units.to_float(max(pair[0].loads)) + pair[1],
+                units.to_float(pair[0].makespan) + pair[1],
                 moved_rows(pair[0], units),
             ),
         )
@@ -178,14 +177,14 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
         if not worth_moving(units.max_before, max(plan.loads_after), cost):
             return skip("exchange")
         return plan
-    good_enough = min(max(c.loads) for c in pool) * (1.0 + MAKESPAN_SLACK)
+    good_enough = min(c.makespan for c in pool) * (1.0 + MAKESPAN_SLACK)
 
     def traffic(c: Candidate) -> float:
         if node_aware:
             return nodes.traffic(c, units, ranks_per_node)
         return moved_rows(c, units)
 
-    return apply(min(pool, key=lambda c: (max(c.loads) > good_enough, traffic(c))))
+    return apply(min(pool, key=lambda c: (c.makespan > good_enough, traffic(c))))
 
 
 def worth_moving(makespan_before: float, makespan_after: float, exchange_seconds: float) -> bool:

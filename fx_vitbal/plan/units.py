@@ -225,6 +225,10 @@ class Units:
         """Unit ids by cost, descending; ties by (src, idx), i.e. by id (the sort is stable)."""
         return torch.sort(-self.cost_U, stable=True).indices.tolist()
 
+    def keeps_cap_at_home(self, cap: float) -> bool:
+        """Whether the current layout keeps the row cap (``keeps_row_cap``, by tensor ops)."""
+        return bool(((self.home_rows_R <= cap) | (self.counts_R <= 1)).all())
+
     def home_ids(self, rank: int) -> range:
         return range(self.starts[rank], self.starts[rank + 1])
 
@@ -308,7 +312,7 @@ def row_cap(units: Units, ratio: float | None) -> float:
     are integers, so flooring ``mean * ratio`` changes no comparison and keeps row room exact.
     """
     if ratio is None:
-        return max(units.home_rows)
+        return int(units.home_rows_R.max())
     if ratio == math.inf:
         return math.inf
     return math.floor(units.total_tokens / units.num_ranks * ratio)
