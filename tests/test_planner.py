@@ -787,6 +787,18 @@ def test_invalid_input_raises_value_error(costs, tokens, history, message):
         solve_plan(costs, tokens, history=history)
 
 
+def test_any_sequences_of_numbers_give_the_plan_of_lists():
+    costs, tokens = [[], [100.0, 50.0], [100.0], [100.0]], [[], [100, 50], [100], [100]]
+    plan = solve_plan(costs, tokens)
+    as_tuples = solve_plan(tuple(map(tuple, costs)), tuple(map(tuple, tokens)))
+    # Whole numbers as floats, and ints as costs: converted as float() and int() convert them.
+    as_other_numbers = solve_plan(
+        [[int(c) for c in r] for r in costs], [[float(n) for n in r] for r in tokens]
+    )
+    assert plan == as_tuples == as_other_numbers
+    assert plan.moved_tokens == 50
+
+
 def test_destinations_invert_the_assignment():
     plan = solve_plan([[5.0] * 4, [], [], []], [[5] * 4, [], [], []])
     dest = plan.destinations([4, 0, 0, 0])

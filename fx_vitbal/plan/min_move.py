@@ -174,13 +174,13 @@ class _Parked:
         self.shift = max(0, (cap + 1).bit_length() - 12)
         self.width = 1 << ((cap >> self.shift) + 1).bit_length()
         self.tree = [-1] * (2 * self.width)
-        self.leaves: list[list[int]] = [[] for _ in range(self.width)]
+        self.leaves: dict[int, list[int]] = {}
         self.leaf_of: dict[int, int] = {}
         self.cap, self.mask, self.size = cap, mask, 0
 
     def park(self, key: int, room: int) -> None:
         leaf = room >> self.shift
-        heapq.heappush(self.leaves[leaf], -key)
+        heapq.heappush(self.leaves.setdefault(leaf, []), -key)
         self.leaf_of[key] = leaf
         self.size += 1
         tree, node = self.tree, self.width + leaf
@@ -214,7 +214,7 @@ class _Parked:
         if first >= self.width:
             return -1
         best = -1
-        if self.shift and self.leaves[first]:  # a shared leaf: rooms below ``need`` too
+        if self.shift and self.leaves.get(first):  # a shared leaf: rooms below ``need`` too
             cap, mask = self.cap, self.mask
             for entry in sorted(self.leaves[first]):  # fullest first
                 key = -entry

@@ -13,10 +13,11 @@ fresh one: a plan's loads are kept up to date move by move and never summed agai
 import dataclasses
 import functools
 import math
+import operator
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, repeat
 
 import torch
 
@@ -91,8 +92,7 @@ class Units:
         self.counts = list(map(len, costs))
         if self.counts != list(map(len, tokens)):
             _name_invalid_rank(costs, tokens)
-        self.starts = [0, *accumulate(self.counts)]
-        self.num_units = self.starts[-1]
+        self.num_units = sum(self.counts)
         self.cost_F = _flat_tensor(costs, "d", self.num_units)  # float64: what plans report
         try:
             self.tokens_U = _flat_tensor(tokens, "q", self.num_units)
@@ -229,6 +229,11 @@ class Units:
         """Whether the current layout keeps the row cap (``keeps_row_cap``, by tensor ops)."""
         return bool(((self.home_rows_R <= cap) | (self.counts_R <= 1)).all())
 
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """Rank ``r``'s unit ids are ``starts[r]`` to ``starts[r + 1] - 1``."""
+        return [0, *accumulate(self.counts)]
+
     def home_ids(self, rank: int) -> range:
         return range(self.starts[rank], self.starts[rank + 1])
 
@@ -322,7 +327,8 @@ def keeps_row_cap(rows: Sequence[int], counts: Sequence[int], cap: float) -> boo
     """No rank above ``cap`` rows, but for ranks holding a single unit."""
     if max(rows) <= cap:  # in C: the usual answer
         return True
-    return all(counts[r] <= 1 for r, n in enumerate(rows) if n > cap)
+    over = compress(counts, map(operator.gt, rows, repeat(cap)))  # still in C
+    return all(map(operator.ge, repeat(1), over))
 
 
 def cap_unkeepable(units: Units, cap: float) -> bool:
