@@ -38,6 +38,10 @@ def place(
     dest = [-1] * len(costs)
     if not dest:  # best-fit placed every unit: skip the per-rank set-up
         return dest
+    # Heap entries are ``value << bits | rank`` ints (loads and rows are integers): one int
+    # comparison per step, ties to the lowest rank.
+    bits = max(1, (len(loads) - 1).bit_length())
+    mask = (1 << bits) - 1
     room = [cap - n if k else math.inf for n, k in zip(rows, counts, strict=True)]
     # A rank with room for none of the units starts in ``full``: placing units that fit nowhere
     # (best-fit's leftovers on nearly full ranks) would otherwise first move every rank there.
@@ -45,36 +49,39 @@ def place(
     # Loads only grow and rooms only shrink, so an entry older than its rank is a bound: refresh
     # it when it surfaces instead of pushing on every change. The open top taking the unit (the
     # common case) is updated at once, saving its refresh on the next unit.
-    open_ = [(load, r) for r, load in enumerate(loads) if room[r] >= least]
-    full = [(-room[r], r) for r in range(len(loads)) if room[r] < least]
+    open_ = [(load << bits) | r for r, load in enumerate(loads) if room[r] >= least]
+    full = [(rows[r] << bits) | r for r in range(len(loads)) if room[r] < least]  # most room first
     heapq.heapify(open_)
     heapq.heapify(full)
+    heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
     for k, (cost, need, home) in enumerate(zip(costs, needs, homes, strict=True)):
         if loads[home] + cost <= home_fill and room[home] >= need:
             chosen = home
         else:
-            while full and -full[0][0] >= need:
-                r = heapq.heappop(full)[1]
-                heapq.heappush(open_, (loads[r], r))
+            while full and cap - (full[0] >> bits) >= need:
+                r = heappop(full) & mask
+                heappush(open_, (loads[r] << bits) | r)
             chosen = -1
             while open_:
-                load, r = open_[0]
-                if load != loads[r]:
-                    heapq.heapreplace(open_, (loads[r], r))
+                key = open_[0]
+                r = key & mask
+                if key >> bits != loads[r]:
+                    heapreplace(open_, (loads[r] << bits) | r)
                 elif room[r] >= need:
                     chosen = r
                     break
                 else:
-                    heapq.heappop(open_)
-                    heapq.heappush(full, (-room[r], r))
+                    heappop(open_)
+                    heappush(full, (rows[r] << bits) | r)
             if chosen < 0:
-                while -full[0][0] != room[full[0][1]]:
-                    heapq.heapreplace(full, (-room[full[0][1]], full[0][1]))
-                chosen = full[0][1]  # the most room is the fewest rows
+                while full[0] >> bits != rows[full[0] & mask]:
+                    r = full[0] & mask
+                    heapreplace(full, (rows[r] << bits) | r)
+                chosen = full[0] & mask  # the most room is the fewest rows
             elif chosen != home and loads[home] == loads[chosen] and room[home] >= need:
                 chosen = home  # an LPT tie: staying home moves nothing
             else:
-                heapq.heapreplace(open_, (loads[chosen] + cost, chosen))
+                heapreplace(open_, ((loads[chosen] + cost) << bits) | chosen)
         dest[k] = chosen
         loads[chosen] += cost
         rows[chosen] += need
@@ -86,13 +93,15 @@ def place(
 def lpt_assign(units: Units, order: list[int]) -> list[int]:
     """The seed's greedy: each unit, cost-descending, onto the least-loaded rank (no row cap)."""
     dest = [-1] * units.num_units
-    heap = [(load, r) for r, load in enumerate(units.base_fixed)]
+    bits = units.rank_bits
+    mask = (1 << bits) - 1
+    heap = [(load << bits) | r for r, load in enumerate(units.base_fixed)]  # (load, rank) packed
     heapq.heapify(heap)
-    cost = units.cost
+    cost, heapreplace = units.cost, heapq.heapreplace
     for u in order:  # the hot path: one heapreplace per unit
-        load, r = heap[0]
-        dest[u] = r
-        heapq.heapreplace(heap, (load + cost[u], r))
+        key = heap[0]
+        dest[u] = key & mask
+        heapreplace(heap, key + (cost[u] << bits))
     return dest
 
 

@@ -5,11 +5,13 @@ the units that move only), and let the refinement repair any overshoot."""
 import bisect
 import heapq
 import math
+import operator
 from collections.abc import Sequence
+from itertools import repeat
 
 from fx_vitbal.plan.candidates import Candidate, candidate_from_dest, make_candidate, moves_of
 from fx_vitbal.plan.greedy import lpt_assign_within, place, refine
-from fx_vitbal.plan.shed import shed_over_target
+from fx_vitbal.plan.shed import Shed, shed_over_target
 from fx_vitbal.plan.units import Units
 
 
@@ -26,9 +28,10 @@ def min_move(units: Units, order: list[int], cap: float, accept: int) -> Candida
     return min(first, _fill_homes_first(units, order, cap, accept), key=lambda c: c.makespan)
 
 
-def shed_and_place(units: Units, cap: float, accept: int) -> Candidate:
-    """min-move's first attempt: shed down to ``accept``, best-fit the shed units, refine."""
-    shed = shed_over_target(units, cap, accept)
+def shed_and_place(units: Units, cap: float, accept: int, shed: Shed | None = None) -> Candidate:
+    """min-move's first attempt: shed down to ``accept`` (unless ``shed`` did), best-fit the shed
+    units, refine."""
+    shed = shed if shed is not None else shed_over_target(units, cap, accept)
     loads, rows, counts = shed.loads, shed.rows, shed.counts
     placed = best_fit(
         shed.costs, shed.needs, shed.homes, loads, rows, counts, cap, accept, shed.by_load
@@ -36,6 +39,20 @@ def shed_and_place(units: Units, cap: float, accept: int) -> Candidate:
     moves = moves_of(shed.ids, placed, shed.homes)
     candidate = make_candidate(moves, loads, rows, counts, cap)
     return refine(candidate, units, cap, accept, units.num_ranks)
+
+
+# Where the current layout breaks the row cap, the first attempt is tried only if the shed units'
+# rows leave this share of the room the cap leaves free.
+SPARE_ROOM = 0.1
+
+
+def room_to_spare(shed: Shed, cap: float) -> bool:
+    """Whether the shed units' rows leave ``SPARE_ROOM`` of the room under the cap free. Best-fit
+    places by load and packs rows only loosely: where the shed rows fill (nearly) all the room,
+    it breaks the cap, and an attempt that must keep it is wasted (at ``max_len_ratio=1.0`` the
+    rows ranks above the mean shed fill 99.9% of the room below it from 4 images per rank on)."""
+    room = sum(map(max, repeat(0), map(operator.sub, repeat(cap), shed.rows)))
+    return sum(shed.needs) <= (1.0 - SPARE_ROOM) * room
 
 
 def _fill_homes_first(units: Units, order: list[int], cap: float, accept: int) -> Candidate:

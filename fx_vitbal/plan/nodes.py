@@ -47,7 +47,7 @@ from fx_vitbal.plan.candidates import (
 )
 from fx_vitbal.plan.greedy import refine
 from fx_vitbal.plan.min_move import best_fit, min_move
-from fx_vitbal.plan.shed import shed_over_target
+from fx_vitbal.plan.shed import Shed, shed_over_target
 from fx_vitbal.plan.units import Units
 
 # Moving a row across nodes costs this many times moving it inside a node: NVLink 4 gives an H100
@@ -86,12 +86,13 @@ def node_shed_and_place(
     accept: int,
     ranks_per_node: int,
     repair: bool = True,
+    shed: Shed | None = None,
 ) -> Candidate:
     """The node-aware attempt alone (steps 1-5 of the module docstring, step 5 only with
     ``repair``): no global order, so ``solve_plan`` can aim it at the lower bound before any LPT
     runs. It does so without the repair, which is slow where it fails (at 2048 ranks, the bound
-    out of reach: ~0.1 s) and the full path runs it anyway."""
-    shed = shed_over_target(units, cap, accept)
+    out of reach: ~0.1 s) and the full path runs it anyway. ``shed``: step 1 made already."""
+    shed = shed if shed is not None else shed_over_target(units, cap, accept)
     state = (shed.loads, shed.rows, shed.counts)
     loads, rows, counts = (x[:] for x in state)
     everything = list(range(len(shed.ids)))

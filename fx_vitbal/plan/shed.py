@@ -173,11 +173,11 @@ def _group_units(units: Units, ranks_G, counts_G):
 
 def _sorted_within(group_P, ids_P, value_P, shift):
     """The composite keys ``group << shift | value`` ascending, ties by id descending (``ids_P``
-    ascending within each group), and the ids in that order. A stable descending sort keeps equal
-    keys in id order; reversed, keys ascend and equal ones go by id descending."""
-    key = (group_P << shift) | value_P
-    order = torch.sort(key, descending=True, stable=True).indices.flip(0)
-    return key.index_select(0, order), ids_P.index_select(0, order)
+    ascending within each group), and the ids in that order: a stable sort of the positions
+    reversed, so equal keys keep the reversed (descending) id order."""
+    key = ((group_P << shift) | value_P).flip(0)
+    order = torch.sort(key, stable=True).indices
+    return key.index_select(0, order), ids_P.flip(0).index_select(0, order)
 
 
 class _Groups:

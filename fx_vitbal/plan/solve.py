@@ -15,7 +15,8 @@ from fx_vitbal.plan.candidates import (
     moved_rows,
 )
 from fx_vitbal.plan.greedy import lpt_assign, lpt_assign_within, refine
-from fx_vitbal.plan.min_move import min_move, shed_and_place
+from fx_vitbal.plan.min_move import min_move, room_to_spare, shed_and_place
+from fx_vitbal.plan.shed import shed_over_target
 from fx_vitbal.plan.units import (
     Plan,
     Units,
@@ -117,12 +118,16 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
         if units.history is not None:
             bound = max(bound, max(base), min(base) + units.largest_cost)
         accept = int(bound * (1.0 + MAKESPAN_SLACK))
-        if node_aware:
-            first = nodes.node_shed_and_place(units, cap, accept, ranks_per_node, repair=False)
-        else:
-            first = shed_and_place(units, cap, accept)
-        if first.makespan <= accept and first.cap_respected:
-            return apply(first)
+        shed = shed_over_target(units, cap, accept)
+        if home_keeps_cap or room_to_spare(shed, cap):
+            if node_aware:
+                first = nodes.node_shed_and_place(
+                    units, cap, accept, ranks_per_node, repair=False, shed=shed
+                )
+            else:
+                first = shed_and_place(units, cap, accept, shed)
+            if first.makespan <= accept and first.cap_respected:
+                return apply(first)
 
     order = units.by_cost_desc()
     # The plain greedy balances cost, not rows: it cannot keep a cap that no assignment keeps,
