@@ -1,28 +1,44 @@
-"""Planner quality and speed: no balancing vs the seed's LPT vs min-move, as a Markdown table.
+"""Planner speed and quality against the seed's solver and the planner before fixed point, as a
+Markdown table.
 
 ``seed ms`` times a plain-Python restatement of the seed's solver (sort by cost, each unit onto
 the least-loaded rank through a heap, then up to 20 move/swap steps between the most and least
 loaded ranks while they differ by 5% or more), the reference the planner's speed is held to.
 
+``today``: the planner as it was before fixed point (``--baseline``, by default the commit this
+work started from), extracted with ``git show`` into a temporary package and run on the same
+inputs in the same run, so every ``x / today`` column compares plans made side by side.
+
 Units are whole ``image_grid_thw`` rows of a mix (default ``realistic``), costed with
-Qwen2-VL-7B's ViT. Makespans are relative to the lower bound ``max(total / ranks, largest unit)``.
-LPT and min-move run without a row cap; ``safe`` is min-move under the default cap (no rank above
-the fullest rank's rows before balancing) and ``cap 1.0`` under ``max_len_ratio=1.0``.
+Qwen2-VL-7B's ViT. ``default`` is min-move under the default row cap (no rank above the fullest
+rank's rows before balancing), ``min-move`` the same without a cap, ``cap 1.0`` under
+``max_len_ratio=1.0``. Makespans are relative to the lower bound ``max(total / ranks, largest
+unit)``, or to today's plan under the same configuration.
 
 Times are the best of several runs in CPU time (other jobs on a shared machine add wall time, not
 CPU time), the configurations interleaved so drifting load hits them alike, each after a full
 garbage collection so a collection the earlier plans' garbage triggers is not billed to this one.
+torch runs one intra-op thread (``--threads``), as torchrun sets ``OMP_NUM_THREADS=1`` for
+multi-process jobs: the planner's tensors are small, and idle helper threads spinning between
+ops would be billed as CPU time. Plans are the same for any thread count.
 
-    python benchmarks/planner.py [--quick] [--mix documents]
+    python benchmarks/planner.py [--quick] [--mix realistic|photos|documents|all]
 """
 
 import argparse
 import gc
 import heapq
+import importlib
 import math
 import os
+import pathlib
 import platform
+import subprocess
+import sys
+import tempfile
 import time
+
+import torch
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost
@@ -33,11 +49,12 @@ from fx_vitbal.tools.workloads import MIXES, sample_batches
 # merged into the LM's hidden size 3584; all layers attend over whole frames.
 QWEN2_VL_7B = ArchitectureCost(hidden=1280, mlp_hidden=5120, depth=32, in_dim=1176, out_dim=3584)
 # Always plan (no trigger, no minimum gain) so the table compares the plans themselves.
-LPT = BalanceConfig(strategy="lpt", trigger_threshold=0.0, min_gain=0.0, max_len_ratio=math.inf)
+DEFAULT = BalanceConfig(trigger_threshold=0.0, min_gain=0.0)
 MIN_MOVE = BalanceConfig(trigger_threshold=0.0, min_gain=0.0, max_len_ratio=math.inf)
-SAFE = BalanceConfig(trigger_threshold=0.0, min_gain=0.0)
 CAP_1 = BalanceConfig(trigger_threshold=0.0, min_gain=0.0, max_len_ratio=1.0)
-CONFIGS = (LPT, MIN_MOVE, SAFE, CAP_1)
+CONFIGS = (DEFAULT, MIN_MOVE, CAP_1)
+# The commit this work started from: the planner before fixed point.
+BASELINE = "57339bc"
 
 
 def seed_lpt_refine(costs: list[list[float]], max_iters: int = 20, tolerance: float = 0.05):
@@ -82,29 +99,57 @@ def seed_lpt_refine(costs: list[list[float]], max_iters: int = 20, tolerance: fl
     return [[(r, i) for _, i, r in bucket] for bucket in buckets], loads
 
 
+def load_baseline(revision: str):
+    """``solve_plan`` of ``fx_vitbal.plan`` at ``revision``, from a temporary package that
+    ``git show`` fills (its imports of ``fx_vitbal.plan`` pointed at itself)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    git = ["git", "-C", str(root)]
+    names = subprocess.run(
+        [*git, "ls-tree", "--name-only", revision, "fx_vitbal/plan/"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="planner_baseline_"))
+    package = folder / "_baseline_plan"
+    package.mkdir()
+    for name in names:
+        source = subprocess.run(
+            [*git, "show", f"{revision}:{name}"], check=True, capture_output=True, text=True
+        ).stdout
+        source = source.replace("from fx_vitbal.plan import ", "from _baseline_plan import ")
+        source = source.replace("fx_vitbal.plan.", "_baseline_plan.")
+        (package / pathlib.Path(name).name).write_text(source)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("_baseline_plan.solve").solve_plan
+
+
 COLUMNS = [
     ("ranks", "{}"),
     ("units/rank", "{:.1f}"),
+    ("units", "{}"),
     ("none", "{:.3f}"),
-    ("LPT", "{:.3f}"),
-    ("min-move", "{:.3f}"),
-    ("safe", "{:.3f}"),
-    ("cap 1.0", "{:.3f}"),
-    ("min-move peak rows", "{:.2f}"),
-    ("LPT moved", "{:.1%}"),
-    ("min-move moved", "{:.1%}"),
+    ("default", "{:.3f}"),
+    ("moved", "{:.1%}"),
     ("seed ms", "{:.1f}"),
-    ("LPT ms", "{:.1f}"),
+    ("default ms", "{:.1f}"),
+    ("default / seed", "{:.2f}"),
     ("min-move ms", "{:.1f}"),
-    ("safe ms", "{:.1f}"),
     ("cap 1.0 ms", "{:.1f}"),
-    ("min-move / seed", "{:.2f}"),
-    ("safe / seed", "{:.2f}"),
     ("cap 1.0 / min-move", "{:.2f}"),
+    ("default makespan / today", "{:.4f}"),
+    ("default rows / today", "{:.3f}"),
+    ("min-move makespan / today", "{:.4f}"),
+    ("min-move rows / today", "{:.3f}"),
+    ("cap 1.0 makespan / today", "{:.4f}"),
+    ("cap 1.0 rows / today", "{:.3f}"),
+    ("cap 1.0 peak rows / today", "{:.3f}"),
+    ("today default ms", "{:.1f}"),
+    ("today cap 1.0 ms", "{:.1f}"),
 ]
 
 
-def measure(ranks: int, units_per_rank: int, repeats: int, mix: str) -> list[float]:
+def measure(ranks: int, units_per_rank: int, repeats: int, mix: str, today) -> list[float]:
     """One table row, in ``COLUMNS`` order."""
     grids = sample_batches(ranks, units_per_rank, mix=mix, seed=0)
     costs = [[QWEN2_VL_7B(*g) for g in rank] for rank in grids]
@@ -112,67 +157,91 @@ def measure(ranks: int, units_per_rank: int, repeats: int, mix: str) -> list[flo
     total_cost = sum(map(sum, costs))
     total_tokens = sum(map(sum, tokens))
     bound = max(total_cost / ranks, max(c for rank in costs for c in rank))
-    plans, millis = [None] * len(CONFIGS), [math.inf] * len(CONFIGS)
-    seed_millis = math.inf
+    runs = [(seed_lpt_refine, None)] + [(solve_plan, c) for c in CONFIGS]
+    runs += [(today, DEFAULT), (today, MIN_MOVE), (today, CAP_1)]
+    plans, millis = [None] * len(runs), [math.inf] * len(runs)
     for _ in range(repeats):
-        gc.collect()
-        start = time.process_time()
-        seed_lpt_refine(costs)
-        seed_millis = min(seed_millis, 1e3 * (time.process_time() - start))
-        for i, config in enumerate(CONFIGS):
+        for i, (solve, config) in enumerate(runs):
             gc.collect()
             start = time.process_time()
-            plans[i] = solve_plan(costs, tokens, config=config)
+            if config is None:
+                solve(costs)
+            else:
+                plans[i] = solve(costs, tokens, config=config)
             millis[i] = min(millis[i], 1e3 * (time.process_time() - start))
-    makespans = [max(plan.loads_after) / bound for plan in plans]
-    moved = [plan.moved_tokens / total_tokens for plan in plans[:2]]
-    # What the default cap prevents: uncapped min-move's fullest rank over the fullest before.
-    peak_rows = max(sum(tokens[s][i] for s, i in units) for units in plans[1].assignment)
-    num_units = sum(map(len, costs))
+    _, default, min_move, capped, today_default, today_min_move, today_capped = plans
+
+    def peak_rows(plan) -> int:
+        return max(sum(tokens[s][i] for s, i in units) for units in plan.assignment)
+
+    def versus(plan, old) -> tuple[float, float]:
+        rows = plan.moved_tokens / old.moved_tokens if old.moved_tokens else 1.0
+        return max(plan.loads_after) / max(old.loads_after), rows
+
     return [
         ranks,
-        num_units / ranks,
+        sum(map(len, costs)) / ranks,
+        sum(map(len, costs)),
         max(map(sum, costs)) / bound,
-        *makespans,
-        peak_rows / max(map(sum, tokens)),
-        *moved,
-        seed_millis,
-        *millis,
-        millis[1] / seed_millis,
-        millis[2] / seed_millis,
-        millis[3] / millis[1],
+        max(default.loads_after) / bound,
+        default.moved_tokens / total_tokens,
+        millis[0],
+        millis[1],
+        millis[1] / millis[0],
+        millis[2],
+        millis[3],
+        millis[3] / millis[2],
+        *versus(default, today_default),
+        *versus(min_move, today_min_move),
+        *versus(capped, today_capped),
+        peak_rows(capped) / peak_rows(today_capped),
+        millis[4],
+        millis[6],
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, one run each")
-    parser.add_argument("--mix", choices=sorted(MIXES), default="realistic", help="image mix")
     parser.add_argument(
-        "--ranks", type=int, nargs="+", default=[8, 64, 512, 2048], help="world sizes"
+        "--mix", choices=[*sorted(MIXES), "all"], default="realistic", help="image mix"
     )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2048, 8192], help="world sizes")
+    parser.add_argument(
+        "--units", type=int, nargs="+", default=[1, 4, 8, 16], help="images per rank"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="runs per configuration")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--baseline", default=BASELINE, help="git revision of today's planner")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    today = load_baseline(args.baseline)
+    all_ranks, all_units, repeats = args.ranks, args.units, args.repeats
     if args.quick:
-        all_ranks, all_units, repeats = (8, 64), (1, 8), 1
-    else:
-        all_ranks, all_units, repeats = args.ranks, (1, 4, 8, 16), 5
+        all_ranks, all_units, repeats = all_ranks[:1], (1, 8), 1
+    mixes = sorted(MIXES) if args.mix == "all" else [args.mix]
 
-    print(f"{platform.platform()}, Python {platform.python_version()}, {os.cpu_count()} CPUs")
-    print(f"mix: {args.mix}\n")
-    print("| " + " | ".join(name for name, _ in COLUMNS) + " |")
-    print("|" + "---:|" * len(COLUMNS))
-    for ranks in all_ranks:
-        for units in all_units:
-            row = measure(ranks, units, repeats, args.mix)
-            cells = [fmt.format(value) for (_, fmt), value in zip(COLUMNS, row, strict=True)]
-            print("| " + " | ".join(cells) + " |")
     print(
-        "\nnone / LPT / min-move / safe / cap 1.0: makespan over the lower bound "
-        "max(total / ranks, largest unit); LPT and min-move uncapped, safe = min-move under the "
-        "default row cap, cap 1.0 = max_len_ratio=1.0; min-move peak rows: uncapped min-move's "
-        "fullest rank over the fullest before; moved: share of tokens leaving their rank; "
-        "ms: best-of-N planning CPU time; seed: the seed's solver restated in plain Python; "
-        "x / y: the ratio of those two times."
+        f"{platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s), "
+        f"today = {args.baseline}, best of {repeats}"
+    )
+    for mix in mixes:
+        print(f"\nmix: {mix}\n")
+        print("| " + " | ".join(name for name, _ in COLUMNS) + " |")
+        print("|" + "---:|" * len(COLUMNS))
+        for ranks in all_ranks:
+            for units in all_units:
+                row = measure(ranks, units, repeats, mix, today)
+                cells = [fmt.format(value) for (_, fmt), value in zip(COLUMNS, row, strict=True)]
+                print("| " + " | ".join(cells) + " |", flush=True)
+    print(
+        "\nnone / default: makespan over the lower bound max(total / ranks, largest unit), "
+        "before balancing and under the default plan (min-move, default row cap); moved: share "
+        "of tokens the default plan moves; ms: best-of-N planning CPU time; seed: the seed's "
+        "solver restated in plain Python; min-move: no row cap; cap 1.0: max_len_ratio=1.0; "
+        "x / today: against the planner at the baseline revision, same inputs, same run "
+        "(makespan, rows moved, the fullest rank's rows); x / y: the ratio of those two times."
     )
 
 

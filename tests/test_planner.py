@@ -10,6 +10,7 @@ import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,7 @@ from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
 from fx_vitbal.plan.greedy import _best_step
 from fx_vitbal.plan.greedy import place as _place
 from fx_vitbal.plan.min_move import best_fit as _best_fit
+from fx_vitbal.plan.shed import shed_over_target as _shed_over_target
 from fx_vitbal.plan.solve import MAKESPAN_SLACK, solve_plan
 from fx_vitbal.plan.units import Units as _Units
 from fx_vitbal.plan.units import cap_unkeepable as _cap_unkeepable
@@ -321,30 +323,48 @@ def test_default_cap_still_lowers_the_makespan_when_one_move_can(case):
         assert makespan(plan) < max(loads)
 
 
+@dataclasses.dataclass
+class Placement:
+    """A placement problem: units in the order they are placed (cost descending, ties by id),
+    each with its integer cost, rows and home rank, and every rank's load, rows and units."""
+
+    costs: list[int]
+    needs: list[int]
+    homes: list[int]
+    loads: list[int]
+    rows: list[int]
+    counts: list[int]
+    cap: int
+    home_fill: float
+
+    def state(self):
+        return self.loads[:], self.rows[:], self.counts[:]
+
+
 @st.composite
 def placements(draw):
     """A placement problem with many ties: small integer costs, loads and rows."""
     num_ranks = draw(st.integers(1, 12))
     small = st.integers(0, 6)
-    costs = draw(
-        st.lists(st.lists(small.map(float), max_size=6), min_size=num_ranks, max_size=num_ranks)
-    )
-    tokens = [draw(st.lists(small, min_size=len(rank), max_size=len(rank))) for rank in costs]
-    loads = draw(st.lists(small.map(float), min_size=num_ranks, max_size=num_ranks))
+    units = draw(st.lists(st.tuples(small, small, st.integers(0, num_ranks - 1)), max_size=30))
+    units.sort(key=lambda unit: -unit[0])  # stable: ties keep their (id) order
+    loads = draw(st.lists(small, min_size=num_ranks, max_size=num_ranks))
     rows = draw(st.lists(small, min_size=num_ranks, max_size=num_ranks))
     counts = draw(st.lists(st.integers(0, 2), min_size=num_ranks, max_size=num_ranks))
     cap = draw(st.integers(0, 12))
     home_fill = draw(st.sampled_from([-math.inf, 3.0, 8.0]))
-    return _Units(costs, tokens), loads, rows, counts, cap, home_fill
+    costs, needs, homes = (list(c) for c in zip(*units, strict=True)) if units else ([], [], [])
+    return Placement(costs, needs, homes, loads, rows, counts, cap, home_fill)
 
 
-def place_by_scanning(units, loads, rows, counts, cap, home_fill, order=None, dest=None):
+def place_by_scanning(problem: Placement, loads, rows, counts, home_fill, units=None, dest=None):
     """What ``_place`` documents, by scanning every rank for every unit."""
-    dest = [-1] * len(units.cost) if dest is None else dest
-    for u in units.by_cost_desc() if order is None else order:
-        home, need = units.src[u], units.tokens[u]
-        fitting = [r for r in range(len(loads)) if counts[r] == 0 or rows[r] + need <= cap]
-        if home in fitting and loads[home] + units.cost[u] <= home_fill:
+    units = range(len(problem.costs)) if units is None else units
+    dest = [-1] * len(problem.costs) if dest is None else dest
+    for k in units:
+        home, need, cost = problem.homes[k], problem.needs[k], problem.costs[k]
+        fitting = [r for r in range(len(loads)) if counts[r] == 0 or rows[r] + need <= problem.cap]
+        if home in fitting and loads[home] + cost <= home_fill:
             d = home
         elif not fitting:
             d = min(range(len(loads)), key=lambda r: (rows[r], r))
@@ -352,8 +372,8 @@ def place_by_scanning(units, loads, rows, counts, cap, home_fill, order=None, de
             d = min(fitting, key=lambda r: (loads[r], r))
             if home in fitting and loads[home] == loads[d]:
                 d = home
-        dest[u] = d
-        loads[d] += units.cost[u]
+        dest[k] = d
+        loads[d] += cost
         rows[d] += need
         counts[d] += 1
     return dest
@@ -362,11 +382,11 @@ def place_by_scanning(units, loads, rows, counts, cap, home_fill, order=None, de
 @settings(max_examples=300, deadline=None)
 @given(placements())
 def test_capped_placement_is_the_documented_scan(problem):
-    units, loads, rows, counts, cap, home_fill = problem
-    expected = place_by_scanning(units, loads[:], rows[:], counts[:], cap, home_fill)
-    dest = [-1] * len(units.cost)
-    _place(units.by_cost_desc(), dest, loads, rows, counts, units, cap, home_fill)
-    assert dest == expected
+    loads, rows, counts = problem.state()
+    expected = place_by_scanning(problem, *problem.state(), problem.home_fill)
+    p = problem
+    placed = _place(p.costs, p.needs, p.homes, loads, rows, counts, p.cap, p.home_fill)
+    assert placed == expected
 
 
 @settings(max_examples=300, deadline=None)
@@ -377,25 +397,23 @@ def test_capped_placement_is_the_documented_scan(problem):
     st.sampled_from([math.inf, 6, 10, 14]),
 )
 def test_refinement_step_is_the_best_over_every_pair(hi, lo, base_gap, cap):
-    units = _Units(
-        [[float(c) for c, _ in hi], [float(c) for c, _ in lo]],
-        [[n for _, n in hi], [n for _, n in lo]],
-    )
+    cost = [c for c, _ in hi] + [c for c, _ in lo]
+    tokens = [n for _, n in hi] + [n for _, n in lo]
     on_hi, on_lo = list(range(len(hi))), list(range(len(hi), len(hi) + len(lo)))
-    load_lo = float(sum(c for c, _ in lo))
-    load_hi = max(float(sum(c for c, _ in hi)), load_lo + base_gap)
+    load_lo = sum(c for c, _ in lo)
+    load_hi = max(sum(c for c, _ in hi), load_lo + base_gap)
     tokens_hi, tokens_lo = sum(n for _, n in hi), sum(n for _, n in lo)
     gap = load_hi - load_lo
     steps = [
         (max(load_hi - delta, load_lo + delta), u, v)
         for u in on_hi
         for v in [-1, *on_lo]
-        if 0 < (delta := units.cost[u] - (units.cost[v] if v >= 0 else 0.0)) < gap
-        and tokens_lo + (shift := units.tokens[u] - (units.tokens[v] if v >= 0 else 0)) <= cap
+        if 0 < (delta := cost[u] - (cost[v] if v >= 0 else 0)) < gap
+        and tokens_lo + (shift := tokens[u] - (tokens[v] if v >= 0 else 0)) <= cap
         and tokens_hi - shift <= cap
     ]
     expected = min(steps)[1:] if steps else None
-    args = (on_hi, on_lo, gap, load_hi, load_lo, tokens_hi, tokens_lo, units, cap)
+    args = (on_hi, on_lo, gap, load_hi, load_lo, tokens_hi, tokens_lo, cost, tokens, cap)
     assert _best_step(*args) == expected
 
 
@@ -414,35 +432,126 @@ def test_cap_called_unkeepable_is_broken_by_every_assignment(num_ranks, rows, ca
         assert any(len(h) > 1 and sum(h) > cap for h in held)
 
 
-def best_fit_by_scanning(units, loads, rows, counts, cap, limit):
+def best_fit_by_scanning(problem: Placement, limit):
     """What ``_best_fit`` documents, by scanning every rank for every unit."""
-    dest, misfits = [-1] * len(units.cost), []
-    for u in units.by_cost_desc():
-        need, cost = units.tokens[u], units.cost[u]
+    loads, rows, counts = problem.state()
+    dest, misfits = [-1] * len(problem.costs), []
+    for k, (cost, need) in enumerate(zip(problem.costs, problem.needs, strict=True)):
         fitting = [
             r
             for r in range(len(loads))
-            if (counts[r] == 0 or rows[r] + need <= cap) and loads[r] <= limit - cost
+            if (counts[r] == 0 or rows[r] + need <= problem.cap) and loads[r] <= limit - cost
         ]
         if not fitting:
-            misfits.append(u)
+            misfits.append(k)
             continue
         d = max(fitting, key=lambda r: (loads[r], r))  # the least room left under the limit
-        dest[u] = d
+        dest[k] = d
         loads[d] += cost
         rows[d] += need
         counts[d] += 1
-    return place_by_scanning(units, loads, rows, counts, cap, -math.inf, misfits, dest)
+    return place_by_scanning(problem, loads, rows, counts, -math.inf, misfits, dest)
 
 
 @settings(max_examples=300, deadline=None)
-@given(placements(), st.sampled_from([0.0, 5.0, 9.0, 14.0, math.inf]))
-def test_best_fit_is_the_documented_scan(problem, limit):
-    units, loads, rows, counts, cap, _ = problem
-    expected = best_fit_by_scanning(units, loads[:], rows[:], counts[:], cap, limit)
-    dest = [-1] * len(units.cost)
-    _best_fit(units.by_cost_desc(), dest, loads, rows, counts, units, cap, limit)
-    assert dest == expected
+@given(placements(), st.sampled_from([0.0, 5.0, 9.0, 14.0, math.inf]), st.booleans())
+def test_best_fit_is_the_documented_scan(problem, limit, keyed):
+    expected = best_fit_by_scanning(problem, limit)
+    loads, rows, counts = problem.state()
+    bits = max(1, (len(loads) - 1).bit_length())
+    # The ranks by load as the planner hands them over (torch-sorted keys), or sorted inside.
+    by_load = sorted((load << bits) | r for r, load in enumerate(loads)) if keyed else None
+    p = problem
+    placed = _best_fit(p.costs, p.needs, p.homes, loads, rows, counts, p.cap, limit, by_load)
+    assert placed == expected
+
+
+def units_to_shed(ascending, excess, value, rows):
+    """The shedding rule's options for one rank, as ``fx_vitbal.plan.shed`` documents it:
+    ``(several, single)``, several None when nothing covers the excess."""
+    single = next((u for u in ascending if value[u] >= excess), None)
+    several, covered = [], 0
+    for u in reversed(ascending):
+        if 0 < value[u] < excess:
+            if covered + value[u] >= excess:
+                break
+            several.append(u)
+            covered += value[u]
+    taken = set(several)
+    closing = next((u for u in ascending if u not in taken and value[u] >= excess - covered), None)
+    return (None if closing is None else [*several, closing]), single
+
+
+def shed_by_scanning(units, cap, accept):
+    """Which units each rank sheds, rank by rank in Python (``shed_over_target``'s rule)."""
+    cost, tokens, base = units.cost, units.tokens, units.base_fixed
+    shed = []
+    for r in range(units.num_ranks):
+        ids = list(units.home_ids(r))
+        ascending = sorted(reversed(ids), key=cost.__getitem__)  # ties by id descending
+        load = base[r] + sum(cost[u] for u in ids)
+        if load > accept and ids:
+            several, single = units_to_shed(ascending, load - accept, cost, tokens)
+            if several is None:
+                gone = ascending
+            elif single is None or sum(tokens[u] for u in several) <= tokens[single]:
+                gone = several
+            else:
+                gone = [single]
+            shed += gone
+            ascending = [u for u in ascending if u not in gone]
+        held = sum(tokens[u] for u in ascending)
+        if held > cap and len(ascending) > 1:
+            by_rows = sorted(sorted(ascending, reverse=True), key=tokens.__getitem__)
+            several, single = units_to_shed(by_rows, held - cap, tokens, tokens)
+            options = []
+            if several is not None and len(several) < len(by_rows):
+                options.append(several)
+            if single is not None:
+                options.append([single])
+            options.append(by_rows[:-1])  # the unit with the most rows stays, alone
+            shed += min(options, key=lambda gone: sum(tokens[u] for u in gone))
+    return sorted(shed, key=lambda u: (-cost[u], u))
+
+
+@st.composite
+def shedding_problems(draw):
+    """Small integer costs and rows with many ties and zeros, sometimes history and a cap."""
+    num_ranks = draw(st.integers(1, 10))
+    small = st.sampled_from([0, 1, 2, 3, 5, 8, 13, 40])
+    costs = draw(
+        st.lists(st.lists(small.map(float), max_size=7), min_size=num_ranks, max_size=num_ranks)
+    )
+    tokens = [draw(st.lists(st.integers(0, 9), min_size=len(r), max_size=len(r))) for r in costs]
+    history = draw(
+        st.none() | st.lists(st.integers(0, 30).map(float), min_size=num_ranks, max_size=num_ranks)
+    )
+    return (
+        costs,
+        tokens,
+        history,
+        draw(st.sampled_from([math.inf, 0, 3, 8, 15, 30])),
+        draw(st.integers(0, 60)),
+    )
+
+
+@settings(max_examples=500, deadline=None)
+@given(shedding_problems())
+def test_vectorized_shedding_is_the_documented_rule_rank_by_rank(problem):
+    costs, tokens, history, cap, target = problem
+    units = _Units(costs, tokens, history)
+    if not units.num_units or units.total_before == 0:
+        return
+    accept = target << units.scale_exp if units.scale_exp >= 0 else target >> -units.scale_exp
+    shed = _shed_over_target(units, cap, accept)
+    assert shed.ids == shed_by_scanning(units, cap, accept)
+    gone = set(shed.ids)
+    for r in range(units.num_ranks):
+        kept = [u for u in units.home_ids(r) if u not in gone]
+        assert shed.loads[r] == units.base_fixed[r] + sum(units.cost[u] for u in kept)
+        assert shed.rows[r] == sum(units.tokens[u] for u in kept)
+        assert shed.counts[r] == len(kept)
+        assert shed.rows[r] <= cap or shed.counts[r] <= 1
 
 
 def realistic_case(num_ranks: int, images_per_rank: int, seed: int) -> Case:
@@ -678,6 +787,18 @@ def test_invalid_input_raises_value_error(costs, tokens, history, message):
         solve_plan(costs, tokens, history=history)
 
 
+def test_any_sequences_of_numbers_give_the_plan_of_lists():
+    costs, tokens = [[], [100.0, 50.0], [100.0], [100.0]], [[], [100, 50], [100], [100]]
+    plan = solve_plan(costs, tokens)
+    as_tuples = solve_plan(tuple(map(tuple, costs)), tuple(map(tuple, tokens)))
+    # Whole numbers as floats, and ints as costs: converted as float() and int() convert them.
+    as_other_numbers = solve_plan(
+        [[int(c) for c in r] for r in costs], [[float(n) for n in r] for r in tokens]
+    )
+    assert plan == as_tuples == as_other_numbers
+    assert plan.moved_tokens == 50
+
+
 def test_destinations_invert_the_assignment():
     plan = solve_plan([[5.0] * 4, [], [], []], [[5] * 4, [], [], []])
     dest = plan.destinations([4, 0, 0, 0])
@@ -853,3 +974,28 @@ def test_both_paths_give_the_same_plan_every_time(num_ranks, seed, reaches_bound
             copy.deepcopy(case.costs), copy.deepcopy(case.tokens), config=case.config
         )
         assert again == plan
+
+
+# Determinism across ranks: the same plan whatever a rank's torch threads or default device.
+
+
+def test_plan_is_the_same_for_any_thread_count():
+    # Over 32k units, so torch would split the planner's elementwise ops across threads.
+    case = realistic_case(4096, 8, 3)
+    threads = torch.get_num_threads()
+    plans = []
+    try:
+        for count in (1, 4):
+            torch.set_num_threads(count)
+            plans += [plan_of(case), plan_of(case, max_len_ratio=1.0)]
+    finally:
+        torch.set_num_threads(threads)
+    assert plans[0] == plans[2] and plans[1] == plans[3]
+    assert plans[0].applied
+
+
+def test_a_default_device_leaves_the_plan_on_the_host():
+    case = realistic_case(64, 8, 0)
+    with torch.device("meta"):  # as torch.set_default_device("cuda") would, on any machine
+        on_meta = plan_of(case)
+    assert on_meta == plan_of(case)

@@ -1,27 +1,34 @@
 """Assign ViT units (images or frames) to data-parallel ranks so every rank gets similar work.
 
-Layers, each importing only those above it in this list: ``units`` (the flat unit arrays, plans,
-per-plan sums), ``greedy`` (LPT and the refinement), ``min_move`` (shedding and best-fit),
-``nodes`` (node-aware min-move), ``solve`` (``solve_plan``: the candidates and the choice).
+Layers, each importing only those above it in this list: ``units`` (the flat unit tensors, the
+fixed-point costs, the row cap, ``Plan``), ``candidates`` (assignments as the units they move,
+and the plan made of one), ``shed`` (which units overloaded ranks shed), ``greedy`` (LPT and
+the refinement), ``min_move`` (best-fit and min-move's attempts), ``nodes`` (node-aware
+min-move), ``solve`` (``solve_plan``: the candidates and the choice).
 
-Pure Python and deterministic: every rank runs ``solve_plan`` on the same gathered input and must
-get the same answer, so every tie is broken by a total order (cost, then source rank, then local
-index) and no hashing, randomness or float reduction order depends on anything else.
+Deterministic: every rank runs ``solve_plan`` on the same gathered input and must get the same
+answer. Decisions are made on integer fixed-point costs, whose sums are exact in any order (so
+a rank's thread count or vector width changes no bit); every sort is stable, and every tie is
+broken by a total order (cost, then source rank, then local index); the float loads a plan
+reports are summed rank by rank in unit order. No hashing, randomness or float reduction order
+depends on anything else.
 
 Two strategies:
 - ``lpt``: the seed's plan. Greedy longest-processing-time onto the least-loaded rank, then
   move/swap refinement between the most and least loaded ranks. It reaches a makespan close to the
   lower bound but moves nearly every unit (each lands wherever the heap says).
 - ``min-move`` (default): keep units home and move only what must move. Overloaded ranks shed
-  units down to a target makespan, the shed units are placed best-fit, and the seed's move/swap
-  refinement repairs any overshoot. The target is first the lower bound of any plan's makespan
-  plus 1%, which needs no LPT (node-aware planning too); only when that fails (or an exchange
-  model weighs the plans) does LPT run, and the target becomes LPT's makespan plus 1% (uncapped
-  LPT's when LPT under the row cap gains nothing), with LPT itself a candidate.
+  units down to a target makespan (and ranks above the row cap shed rows), the shed units are
+  placed best-fit, and the seed's move/swap refinement repairs any overshoot. The target is first
+  the lower bound of any plan's makespan plus 1%, which needs no LPT (node-aware planning too);
+  only when that fails (or an exchange model weighs the plans) does LPT run, and the target
+  becomes LPT's makespan plus 1% (uncapped LPT's when LPT under the row cap gains nothing), with
+  LPT itself a candidate.
 
-Per-plan sums (loads, rows, the plan's lists) start from each rank's home values and revisit only
-the ranks moves touch: plans move few units, and per-unit Python loops are what planning time is
-made of.
+What runs where: torch ops over the whole input flatten and check it, sum every rank's load and
+rows, find the lower bound, the ranks over the target and the units they shed; Python runs only
+for the units that move and the ranks they touch (best-fit, the refinement), and LPT deals every
+unit in Python when it runs. Plans move few units: a candidate lists only its moves.
 
 Both keep a cap on the pixel rows each rank computes (``BalanceConfig.max_len_ratio``); by default
 no rank may end with more rows than the fullest rank holds before balancing, so balancing never

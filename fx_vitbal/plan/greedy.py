@@ -4,25 +4,30 @@ move/swap refinement between the most and least loaded ranks."""
 import bisect
 import heapq
 import math
+from collections.abc import Sequence
 
-from fx_vitbal.plan.units import Candidate, Units, make_candidate, rank_groups, row_rooms
+from fx_vitbal.plan.candidates import Candidate, candidate_from_dest, make_candidate
+from fx_vitbal.plan.units import Units
 
 
 def place(
-    order: list[int],
-    dest: list[int],
-    loads: list[float],
-    rank_tokens: list[int],
-    rank_units: list[int],
-    units: Units,
+    costs: Sequence[int],
+    needs: Sequence[int],
+    homes: Sequence[int],
+    loads: list[int],
+    rows: list[int],
+    counts: list[int],
     cap: float,
     home_fill: float = -math.inf,
-) -> None:
-    """LPT placement of ``order`` (cost-descending) onto the least-loaded rank that fits the cap.
+) -> list[int]:
+    """LPT placement of units (``costs`` descending, each with its rows and home rank) onto the
+    least-loaded rank that fits the cap; returns each unit's rank.
 
     A unit stays home instead when that keeps its home's load at most ``home_fill``. Ties go to
     the unit's home rank, then to the lowest rank. When no rank fits, the one with the fewest rows
-    takes the unit (the plan then reports the broken cap). Mutates its arguments.
+    takes the unit (the plan then reports the broken cap). An empty rank may always hold one unit
+    alone, however large (the cap's documented exception). Mutates ``loads``, ``rows`` and
+    ``counts``.
 
     Every rank has one entry in one of two heaps: ``open`` by load, or ``full`` by row room (most
     first) once it had no room for some unit. Before each unit, full ranks with room for it
@@ -30,94 +35,122 @@ def place(
     in ``full`` instead of being popped again for each of them. Units come roughly in descending
     rows, so each rank changes heaps a few times: O(units * log ranks) in practice.
     """
-    if not order:  # best-fit placed every unit: skip the per-rank set-up
-        return
-    cost, tokens, src = units.cost, units.tokens, units.src
-    room = row_rooms(rank_tokens, rank_units, cap)
+    dest = [-1] * len(costs)
+    if not dest:  # best-fit placed every unit: skip the per-rank set-up
+        return dest
+    # Heap entries are ``value << bits | rank`` ints (loads and rows are integers): one int
+    # comparison per step, ties to the lowest rank.
+    bits = max(1, (len(loads) - 1).bit_length())
+    mask = (1 << bits) - 1
+    room = [cap - n if k else math.inf for n, k in zip(rows, counts, strict=True)]
     # A rank with room for none of the units starts in ``full``: placing units that fit nowhere
     # (best-fit's leftovers on nearly full ranks) would otherwise first move every rank there.
-    least = min((tokens[u] for u in order), default=0)
+    least = min(needs)
     # Loads only grow and rooms only shrink, so an entry older than its rank is a bound: refresh
     # it when it surfaces instead of pushing on every change. The open top taking the unit (the
     # common case) is updated at once, saving its refresh on the next unit.
-    open_ = [(load, r) for r, load in enumerate(loads) if room[r] >= least]
-    full = [(-room[r], r) for r in range(len(loads)) if room[r] < least]
+    open_ = [(load << bits) | r for r, load in enumerate(loads) if room[r] >= least]
+    full = [(rows[r] << bits) | r for r in range(len(loads)) if room[r] < least]  # most room first
     heapq.heapify(open_)
     heapq.heapify(full)
-    for u in order:
-        need, home = tokens[u], src[u]
-        if loads[home] + cost[u] <= home_fill and room[home] >= need:
+    heappush, heappop, heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
+    for k, (cost, need, home) in enumerate(zip(costs, needs, homes, strict=True)):
+        if loads[home] + cost <= home_fill and room[home] >= need:
             chosen = home
         else:
-            while full and -full[0][0] >= need:
-                r = heapq.heappop(full)[1]
-                heapq.heappush(open_, (loads[r], r))
+            while full and cap - (full[0] >> bits) >= need:
+                r = heappop(full) & mask
+                heappush(open_, (loads[r] << bits) | r)
             chosen = -1
             while open_:
-                load, r = open_[0]
-                if load != loads[r]:
-                    heapq.heapreplace(open_, (loads[r], r))
+                key = open_[0]
+                r = key & mask
+                if key >> bits != loads[r]:
+                    heapreplace(open_, (loads[r] << bits) | r)
                 elif room[r] >= need:
                     chosen = r
                     break
                 else:
-                    heapq.heappop(open_)
-                    heapq.heappush(full, (-room[r], r))
+                    heappop(open_)
+                    heappush(full, (rows[r] << bits) | r)
             if chosen < 0:
-                while -full[0][0] != room[full[0][1]]:
-                    heapq.heapreplace(full, (-room[full[0][1]], full[0][1]))
-                chosen = full[0][1]  # the most room is the fewest rows
+                while full[0] >> bits != rows[full[0] & mask]:
+                    r = full[0] & mask
+                    heapreplace(full, (rows[r] << bits) | r)
+                chosen = full[0] & mask  # the most room is the fewest rows
             elif chosen != home and loads[home] == loads[chosen] and room[home] >= need:
                 chosen = home  # an LPT tie: staying home moves nothing
             else:
-                heapq.heapreplace(open_, (loads[chosen] + cost[u], chosen))
-        dest[u] = chosen
-        loads[chosen] += cost[u]
-        rank_tokens[chosen] += need
-        rank_units[chosen] += 1
-        room[chosen] = cap - rank_tokens[chosen]
-
-
-def lpt_assign(units: Units, order: list[int], base: list[float]) -> list[int]:
-    """The seed's greedy: each unit, cost-descending, onto the least-loaded rank (no row cap)."""
-    dest = [-1] * len(units.cost)
-    heap = [(load, r) for r, load in enumerate(base)]
-    heapq.heapify(heap)
-    cost = units.cost
-    for u in order:  # the hot path: one heapreplace per unit
-        load, r = heap[0]
-        dest[u] = r
-        heapq.heapreplace(heap, (load + cost[u], r))
+                heapreplace(open_, ((loads[chosen] + cost) << bits) | chosen)
+        dest[k] = chosen
+        loads[chosen] += cost
+        rows[chosen] += need
+        counts[chosen] += 1
+        room[chosen] = cap - rows[chosen]
     return dest
 
 
-def lpt_assign_within(units: Units, order: list[int], base: list[float], cap: float) -> list[int]:
+def lpt_assign(units: Units, order: list[int]) -> list[int]:
+    """The seed's greedy: each unit, cost-descending, onto the least-loaded rank (no row cap)."""
+    dest = [-1] * units.num_units
+    bits = units.rank_bits
+    mask = (1 << bits) - 1
+    heap = [(load << bits) | r for r, load in enumerate(units.base_fixed)]  # (load, rank) packed
+    heapq.heapify(heap)
+    cost, heapreplace = units.cost, heapq.heapreplace
+    for u in order:  # the hot path: one heapreplace per unit
+        key = heap[0]
+        dest[u] = key & mask
+        heapreplace(heap, key + (cost[u] << bits))
+    return dest
+
+
+def lpt_assign_within(
+    units: Units, order: list[int], cap: float, home_fill: float = -math.inf
+) -> list[int]:
     """LPT onto the least-loaded rank with row room for each unit: the plan when the seed's
-    greedy breaks the cap."""
-    dest = [-1] * len(units.cost)
+    greedy breaks the cap (``home_fill``: see ``place``)."""
+    cost, tokens, src = units.cost, units.tokens, units.src
     zeros = [0] * units.num_ranks
-    place(order, dest, base[:], zeros[:], zeros[:], units, cap)
+    placed = place(
+        [cost[u] for u in order],
+        [tokens[u] for u in order],
+        [src[u] for u in order],
+        units.base_fixed[:],
+        zeros[:],
+        zeros[:],
+        cap,
+        home_fill,
+    )
+    dest = [-1] * units.num_units
+    for u, d in zip(order, placed, strict=True):
+        dest[u] = d
     return dest
 
 
 def refine(
-    dest: list[int], units: Units, base: list[float], cap: float, stop_load: float, max_iters: int
+    candidate: Candidate, units: Units, cap: float, stop_load: float, max_iters: int
 ) -> Candidate:
     """The seed's refinement: move or swap one unit between the most and least loaded ranks
     until the makespan is at most ``stop_load``, nothing helps, or ``max_iters`` steps ran.
 
-    Returns the new assignment with its loads and whether it keeps the row cap (every candidate
-    plan comes out of here, so the per-rank sums are made once)."""
-    first = make_candidate(dest[:], units, base, cap)
-    if max(first.loads) <= stop_load or not max_iters:  # the usual case: no per-rank unit lists
-        return first
-    dest, loads = first.dest, first.loads
-    rank_tokens = first.rows[:]
-    groups, starts = rank_groups(first, units), units.starts
-    held = [
-        groups[r] if r in groups else list(range(starts[r], starts[r + 1]))
-        for r in range(units.num_ranks)
-    ]
+    The per-rank unit lists are made only for the ranks a step looks at; loads stay exact."""
+    if candidate.makespan <= stop_load or not max_iters:  # the usual case
+        return candidate
+    moves = dict(candidate.moves)
+    loads, rows, counts = candidate.loads[:], candidate.rows[:], candidate.counts[:]
+    arriving: dict[int, list[int]] = {}
+    for u, d in moves.items():
+        arriving.setdefault(d, []).append(u)
+    held: dict[int, list[int]] = {}
+
+    def held_by(r: int) -> list[int]:
+        # Built before any step moves a unit to or from ``r``, so ``arriving`` is still true.
+        if r not in held:
+            held[r] = [u for u in units.home_ids(r) if u not in moves] + arriving.get(r, [])
+        return held[r]
+
+    cost, tokens, src = units.cost, units.tokens, units.src
     highest = [(-load, r) for r, load in enumerate(loads)]
     lowest = [(load, r) for r, load in enumerate(loads)]
     heapq.heapify(highest)
@@ -131,14 +164,15 @@ def refine(
         if loads[hi] <= stop_load:
             break
         step = _best_step(
-            held[hi],
-            held[lo],
+            held_by(hi),
+            held_by(lo),
             loads[hi] - loads[lo],
             loads[hi],
             loads[lo],
-            rank_tokens[hi],
-            rank_tokens[lo],
-            units,
+            rows[hi],
+            rows[lo],
+            cost,
+            tokens,
             cap,
         )
         if step is None:
@@ -148,29 +182,39 @@ def refine(
                 continue
             held[frm].remove(k)
             held[to].append(k)
-            dest[k] = to
-            loads[frm] -= units.cost[k]
-            loads[to] += units.cost[k]
-            rank_tokens[frm] -= units.tokens[k]
-            rank_tokens[to] += units.tokens[k]
+            if to == src[k]:
+                del moves[k]
+            else:
+                moves[k] = to
+            loads[frm] -= cost[k]
+            loads[to] += cost[k]
+            rows[frm] -= tokens[k]
+            rows[to] += tokens[k]
+            counts[frm] -= 1
+            counts[to] += 1
         for r in (hi, lo):
             heapq.heappush(highest, (-loads[r], r))
             heapq.heappush(lowest, (loads[r], r))
-    keeps_cap = all(n <= cap or len(h) <= 1 for n, h in zip(rank_tokens, held, strict=True))
-    # Running sums, and no groups (moves appended out of id order): a plan chosen from here is
-    # grouped and summed afresh by ``make_plan``, so the plan's loads do not depend on the path.
-    return Candidate(dest, loads, keeps_cap, None, rank_tokens)
+    return make_candidate(moves, loads, rows, counts, cap)
+
+
+def refine_dest(
+    dest: list[int], units: Units, cap: float, stop_load: float, max_iters: int
+) -> Candidate:
+    """``refine`` of a full assignment (LPT's)."""
+    return refine(candidate_from_dest(dest, units, cap), units, cap, stop_load, max_iters)
 
 
 def _best_step(
     on_hi: list[int],
     on_lo: list[int],
-    gap: float,
-    load_hi: float,
-    load_lo: float,
+    gap: int,
+    load_hi: int,
+    load_lo: int,
     tokens_hi: int,
     tokens_lo: int,
-    units: Units,
+    cost: Sequence[int],
+    tokens: Sequence[int],
     cap: float,
 ) -> tuple[int, int] | None:
     """Best move (``(u, -1)``) or swap (``(u, v)``) between two ranks that keeps both under the
@@ -179,10 +223,10 @@ def _best_step(
     For a unit ``u`` the new maximum is V-shaped in the partner's cost, lowest at
     ``cost[u] - gap / 2``, so on each side only the nearest partner keeping the cap can win (the
     lowest id among equally near ones). They are found by bisection and a walk past partners that
-    break the cap, instead of trying every pair.
+    break the cap, instead of trying every pair. Costs are integers, so the middle is compared
+    doubled, exactly.
     """
-    cost, tokens = units.cost, units.tokens
-    partners = sorted((cost[v], v) for v in on_lo)
+    partners = sorted((2 * cost[v], v) for v in on_lo)
     partner_costs = [c for c, _ in partners]
 
     def keeps_cap(u: int, v: int) -> bool:
@@ -191,23 +235,24 @@ def _best_step(
 
     best = None
     for u in on_hi:
-        i = bisect.bisect_left(partner_costs, cost[u] - gap / 2)
+        twice = 2 * cost[u]
+        i = bisect.bisect_left(partner_costs, twice - gap)
         candidates = [-1] if keeps_cap(u, -1) else []
         nearest = None  # cost of the nearest cheaper partner keeping the cap
         for c, v in reversed(partners[:i]):  # nearest first; equal costs by descending id
-            if cost[u] - c >= gap or (nearest is not None and c != nearest):
+            if twice - c >= 2 * gap or (nearest is not None and c != nearest):
                 break
             if keeps_cap(u, v):
                 candidates.append(v)
                 nearest = c
         for c, v in partners[i:]:  # nearest first; equal costs by ascending id
-            if c >= cost[u]:
+            if c >= twice:
                 break
             if keeps_cap(u, v):
                 candidates.append(v)
                 break
         for v in candidates:
-            delta = cost[u] - (cost[v] if v >= 0 else 0.0)
+            delta = cost[u] - (cost[v] if v >= 0 else 0)
             if 0 < delta < gap:
                 key = (max(load_hi - delta, load_lo + delta), u, v)
                 if best is None or key < best:

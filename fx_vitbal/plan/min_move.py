@@ -1,160 +1,254 @@
-"""min-move: keep units home, shed from overloaded ranks just enough to reach a target, place the
-shed units best-fit, and let the refinement repair any overshoot."""
+"""min-move: keep units home, shed from overloaded ranks just enough to reach a target
+(``shed.shed_over_target``, torch ops over every rank), place the shed units best-fit (Python,
+the units that move only), and let the refinement repair any overshoot."""
 
 import bisect
 import heapq
 import math
+import operator
+from collections.abc import Sequence
+from itertools import repeat
 
-from fx_vitbal.plan.greedy import place, refine
-from fx_vitbal.plan.units import Candidate, Units, row_rooms, sum_loads
+from fx_vitbal.plan.candidates import Candidate, candidate_from_dest, make_candidate, moves_of
+from fx_vitbal.plan.greedy import lpt_assign_within, place, refine
+from fx_vitbal.plan.shed import Shed, shed_over_target
+from fx_vitbal.plan.units import Units
 
 
-def min_move(
-    units: Units, order: list[int], base: list[float], cap: float, accept: float
-) -> Candidate:
+def min_move(units: Units, order: list[int], cap: float, accept: int) -> Candidate:
     """Keep units home: overloaded ranks shed just enough to reach ``accept``, shed units are
-    placed LPT-style, and a refinement repairs any overshoot.
+    placed best-fit, and a refinement repairs any overshoot.
 
-    Returns an assignment and its loads: the first attempt reaching ``accept``, else the better
-    of the two attempts."""
-    first = shed_and_place(units, base, cap, accept)
-    if max(first.loads) <= accept:
+    Returns the first attempt when it reaches ``accept``, else the better of it and a second
+    attempt (``order``: every unit by cost descending)."""
+    first = shed_and_place(units, cap, accept)
+    if first.makespan <= accept:
         return first
     # Neither may reach the target (the row cap binds): the lower makespan, for solve_plan to weigh.
-    return min(first, _fill_homes_first(units, order, base, cap, accept), key=_makespan)
+    return min(first, _fill_homes_first(units, order, cap, accept), key=lambda c: c.makespan)
 
 
-def shed_and_place(units: Units, base: list[float], cap: float, accept: float) -> Candidate:
-    """min-move's first attempt: shed down to ``accept``, best-fit the shed units, refine."""
-    shed, dest, loads, rank_tokens, rank_units = shed_over_target(units, base, cap, accept)
-    best_fit(shed, dest, loads, rank_tokens, rank_units, units, cap, accept)
-    return refine(dest, units, base, cap, accept, units.num_ranks)
+def shed_and_place(units: Units, cap: float, accept: int, shed: Shed | None = None) -> Candidate:
+    """min-move's first attempt: shed down to ``accept`` (unless ``shed`` did), best-fit the shed
+    units, refine."""
+    shed = shed if shed is not None else shed_over_target(units, cap, accept)
+    loads, rows, counts = shed.loads, shed.rows, shed.counts
+    placed = best_fit(
+        shed.costs, shed.needs, shed.homes, loads, rows, counts, cap, accept, shed.by_load
+    )
+    moves = moves_of(shed.ids, placed, shed.homes)
+    candidate = make_candidate(moves, loads, rows, counts, cap)
+    return refine(candidate, units, cap, accept, units.num_ranks)
 
 
-def _makespan(candidate: Candidate) -> float:
-    return max(candidate.loads)
+# Where the current layout breaks the row cap, the first attempt is tried only if the shed units'
+# rows leave this share of the room the cap leaves free.
+SPARE_ROOM = 0.1
 
 
-def shed_over_target(
-    units: Units, base: list[float], cap: float, accept: float
-) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
-    """Every rank above ``accept`` (or above the row cap) sheds units until it is not.
-
-    Returns ``(shed, dest, loads, rank_tokens, rank_units)``: the shed units by cost descending,
-    ties by id (``by_cost_desc``'s order), and the home assignment without them (their ``dest``
-    still says home) with its loads, rows and unit counts, ready for placement."""
-    dest = units.src[:]
-    loads = sum_loads(units, base, {})
-    rank_tokens, rank_units = units.home_rows[:], units.counts[:]
-    cost, starts = units.cost, units.starts
-    over = (r for r, load in enumerate(loads) if load > accept)
-    crowded = (r for r, n in enumerate(rank_tokens) if n > cap)
-    shed: list[int] = []
-    # Only these ranks need their units in order: no global sort.
-    for r in sorted({*over, *(r for r in crowded if rank_units[r] > 1)}):
-        # Cost-ascending, ties by id descending: what reversing the global order gives.
-        keep = sorted(range(starts[r + 1] - 1, starts[r] - 1, -1), key=cost.__getitem__)
-        while keep and (loads[r] > accept or (rank_tokens[r] > cap and len(keep) > 1)):
-            for u in _units_to_shed(keep, loads[r] - accept, units):
-                keep.remove(u)
-                shed.append(u)
-                loads[r] -= units.cost[u]
-                rank_tokens[r] -= units.tokens[u]
-                rank_units[r] -= 1
-    shed.sort(key=lambda u: (-units.cost[u], u))
-    return shed, dest, loads, rank_tokens, rank_units
+def room_to_spare(shed: Shed, cap: float) -> bool:
+    """Whether the shed units' rows leave ``SPARE_ROOM`` of the room under the cap free. Best-fit
+    places by load and packs rows only loosely: where the shed rows fill (nearly) all the room,
+    it breaks the cap, and an attempt that must keep it is wasted (at ``max_len_ratio=1.0`` the
+    rows ranks above the mean shed fill 99.9% of the room below it from 4 images per rank on)."""
+    room = sum(map(max, repeat(0), map(operator.sub, repeat(cap), shed.rows)))
+    return sum(shed.needs) <= (1.0 - SPARE_ROOM) * room
 
 
-def _fill_homes_first(
-    units: Units, order: list[int], base: list[float], cap: float, accept: float
-) -> Candidate:
+def _fill_homes_first(units: Units, order: list[int], cap: float, accept: int) -> Candidate:
     """min-move's second attempt, when shedding and best-fit leave the makespan above ``accept``."""
     # Fragmented room (a near-perfect LPT leaves ~1% slack): LPT order again, but each unit
     # stays home while its home has room below the target, so large units stay and only the
     # smallest overflow moves.
-    dest = [-1] * len(units.cost)
-    zeros = [0] * units.num_ranks
-    place(order, dest, base[:], zeros[:], zeros[:], units, cap, home_fill=accept)
-    return refine(dest, units, base, cap, accept, units.num_ranks)
+    dest = lpt_assign_within(units, order, cap, home_fill=accept)
+    return refine(candidate_from_dest(dest, units, cap), units, cap, accept, units.num_ranks)
 
 
 def best_fit(
-    order: list[int],
-    dest: list[int],
-    loads: list[float],
-    rank_tokens: list[int],
-    rank_units: list[int],
-    units: Units,
+    costs: Sequence[int],
+    needs: Sequence[int],
+    homes: Sequence[int],
+    loads: list[int],
+    rows: list[int],
+    counts: list[int],
     cap: float,
-    limit: float,
-) -> None:
-    """Best-fit decreasing: each unit onto the rank whose load stays at most ``limit`` with the
-    least room left, which keeps large holes for large units. Units that fit nowhere go to the
-    least-loaded rank (``place``) and the refinement repairs the overshoot. Mutates its arguments.
+    limit: int,
+    by_load: list[int] | None = None,
+) -> list[int]:
+    """Best-fit decreasing: each unit (``costs`` descending, with its rows and home rank) onto the
+    rank whose load stays at most ``limit`` with the least room left (the fullest; ties to the
+    highest rank), among ranks with row room for it; returns each unit's rank. Units that fit
+    nowhere go to the least-loaded rank (``place``) and the refinement repairs the overshoot.
+    Loads are integers. Mutates ``loads``, ``rows`` and ``counts``.
 
-    As in ``place``, a rank with too few rows of room for a unit leaves the search (``full``, by
-    room) until a unit it has room for comes, instead of being skipped again for every unit. One
-    with room for the next unit is only passed over: rows of consecutive units often alternate
-    (photos, then videos with more rows at lower cost), and setting such a rank aside only to
-    take it back for the next unit costs far more than stepping past it once.
+    A rank is keyed by its load and id packed into one int (``load << bits | rank``); ``by_load``
+    may give every rank's key, ascending (made by torch ops over every rank), else they are
+    sorted here. A unit of cost ``c`` may go to ranks keyed at most ``top(limit - c)``, a bound
+    that only grows as units get cheaper, while ranks only get fuller. So the ranks no unit has
+    reached yet are a sorted list revealed onto a stack as the bound passes them (the stack's
+    top is the fullest of them), and the ranks a unit reached wait in a max-heap (under the
+    bound) or a min-heap (above it, until the bound passes them). A rank found on top without
+    room for a unit is parked (``_Parked``): a later unit with fewer rows asks for the fullest
+    parked rank with room for it. The answer is the fullest of those three. A rank too loaded
+    for the cheapest unit, or over the cap, leaves for good. Per unit: a bisection and a few heap
+    operations, no Python step for ranks no unit reaches, and a few tree steps while ranks are
+    parked.
     """
-    by_load = sorted(zip(loads, range(len(loads)), strict=True))
-    full: list[tuple[float, int]] = []  # only ranks in by_load take units, so rooms stay exact
-    room = row_rooms(rank_tokens, rank_units, cap)
-    needs = list(map(units.tokens.__getitem__, order))
+    num_units = len(costs)
+    dest = [-1] * num_units
+    if not num_units:
+        return dest
+    bits = max(1, (len(loads) - 1).bit_length())
+    mask = (1 << bits) - 1
+    if by_load is None:
+        by_load = sorted((load << bits) | r for r, load in enumerate(loads))
+    # Loads are integers: a float limit is its floor, no limit one above any load.
+    limit = math.floor(limit) if limit != math.inf else max(loads) + sum(costs)
+    reach = limit - costs[-1]  # loaded above this, a rank can take no unit
+    end = bisect.bisect_right(by_load, (reach << bits) | mask)
+    revealed = 0
+    stack: list[int] = []  # keys of ranks the bound passed, ascending
+    heap: list[int] = []  # negated keys of ranks back under the bound
+    later: list[int] = []  # keys of ranks back, above the bound
+    parked = _Parked(cap, mask) if cap != math.inf else None
     misfits = []
-    for k, u in enumerate(order):
-        need = needs[k]
-        next_need = needs[k + 1] if k + 1 < len(needs) else 0
-        while full and -full[0][0] >= need:
-            r = heapq.heappop(full)[1]
-            bisect.insort(by_load, (loads[r], r))
-        # The fullest rank that still fits is just below limit - cost in load order.
-        i = bisect.bisect_right(by_load, (limit - units.cost[u], math.inf)) - 1
-        while i >= 0 and room[by_load[i][1]] < need:
-            if room[by_load[i][1]] < next_need:
-                r = by_load.pop(i)[1]
-                heapq.heappush(full, (-room[r], r))
-            i -= 1
-        if i < 0:
-            misfits.append(u)
-            continue
-        load, r = by_load.pop(i)
-        dest[u] = r
-        loads[r] = load + units.cost[u]
-        rank_tokens[r] += need
-        rank_units[r] += 1
-        room[r] = cap - rank_tokens[r]
-        bisect.insort(by_load, (loads[r], r))
-    place(misfits, dest, loads, rank_tokens, rank_units, units, cap)
-
-
-def _units_to_shed(ascending: list[int], excess: float, units: Units) -> list[int]:
-    """Units of one rank whose costs cover ``excess`` with few rows (``ascending`` by cost).
-
-    Two candidates: the cheapest single unit that covers the excess, or the largest units below
-    it while they leave some of it, closed by the cheapest other unit covering the rest. The one
-    moving fewer rows wins (the second on ties): large units carry fewer rows per cost, small
-    ones place more easily. With no excess (only the row cap is exceeded) the largest unit goes;
-    with nothing covering the excess (history alone exceeds the target), every unit goes.
-    """
-    if excess <= 0:
-        return [ascending[-1]]
-    cost, tokens = units.cost, units.tokens
-    single = next((u for u in ascending if cost[u] >= excess), None)
-    several: list[int] = []
-    covered = 0.0
-    for u in reversed(ascending):
-        if 0 < cost[u] < excess:
-            if covered + cost[u] >= excess:
+    heappush, heappop = heapq.heappush, heapq.heappop
+    for k in range(num_units):
+        cost, need = costs[k], needs[k]
+        bound = limit - cost
+        top = (bound << bits) | mask  # the largest key of a load at most the bound
+        if revealed < end and by_load[revealed] <= top:
+            upto = bisect.bisect_right(by_load, top, revealed, end)
+            stack += by_load[revealed:upto]
+            revealed = upto
+        while later and later[0] <= top:
+            heappush(heap, -heappop(later))
+        best, source = -1, None
+        while stack or heap:
+            if heap and (not stack or -heap[0] > stack[-1]):
+                key = -heap[0]
+                source = heap
+            else:
+                key = stack[-1]
+                source = stack
+            r = key & mask
+            if rows[r] + need <= cap or not counts[r]:
+                best = key
                 break
-            several.append(u)
-            covered += cost[u]
-    taken = set(several)
-    closing = next((u for u in ascending if u not in taken and cost[u] >= excess - covered), None)
-    if closing is None:
-        return list(ascending)
-    several.append(closing)
-    if single is None or sum(tokens[u] for u in several) <= tokens[single]:
-        return several
-    return [single]
+            if source is heap:
+                heappop(heap)
+            else:
+                stack.pop()
+            source = None
+            if rows[r] <= cap:  # else it can take no unit again: it leaves
+                parked.park(key, cap - rows[r])
+        if parked is not None and parked.size:
+            key = parked.fullest(need, best, rows)
+            if key > best:
+                best, source = key, parked
+        if best < 0:
+            misfits.append(k)
+            continue
+        if source is stack:
+            stack.pop()
+        elif source is heap:
+            heappop(heap)
+        elif source is parked:
+            parked.take(best)
+        chosen = best & mask
+        dest[k] = chosen
+        load = loads[chosen] + cost
+        loads[chosen] = load
+        rows[chosen] += need
+        counts[chosen] += 1
+        if load <= bound:
+            heappush(heap, -((load << bits) | chosen))
+        elif load <= reach:
+            heappush(later, (load << bits) | chosen)
+    if misfits:
+        placed = place(
+            [costs[k] for k in misfits],
+            [needs[k] for k in misfits],
+            [homes[k] for k in misfits],
+            loads,
+            rows,
+            counts,
+            cap,
+        )
+        for k, d in zip(misfits, placed, strict=True):
+            dest[k] = d
+    return dest
+
+
+class _Parked:
+    """Ranks parked for want of row room (``best_fit``), for "the fullest parked rank with at
+    least ``need`` rows of room": a max-tree over room buckets (leaf ``room >> shift``), each
+    leaf a heap of its ranks' keys. A parked rank's load and rows do not change until it is
+    taken, so entries never go stale. Rooms above ``2**12`` buckets share leaves: the one leaf
+    holding ``need`` is looked into, the others' tops come from the tree."""
+
+    def __init__(self, cap: int, mask: int):
+        self.shift = max(0, (cap + 1).bit_length() - 12)
+        self.width = 1 << ((cap >> self.shift) + 1).bit_length()
+        self.tree = [-1] * (2 * self.width)
+        self.leaves: dict[int, list[int]] = {}
+        self.leaf_of: dict[int, int] = {}
+        self.cap, self.mask, self.size = cap, mask, 0
+
+    def park(self, key: int, room: int) -> None:
+        leaf = room >> self.shift
+        heapq.heappush(self.leaves.setdefault(leaf, []), -key)
+        self.leaf_of[key] = leaf
+        self.size += 1
+        tree, node = self.tree, self.width + leaf
+        while node and tree[node] < key:
+            tree[node] = key
+            node >>= 1
+
+    def take(self, key: int) -> None:
+        """Unpark ``key``: the top of its leaf (``fullest`` returned it)."""
+        leaf = self.leaf_of.pop(key)
+        heap = self.leaves[leaf]
+        if -heap[0] == key:
+            heapq.heappop(heap)
+        else:  # found inside the shared leaf
+            heap.remove(-key)
+            heapq.heapify(heap)
+        self.size -= 1
+        tree, node = self.tree, self.width + leaf
+        tree[node] = -heap[0] if heap else -1
+        node >>= 1
+        while node:
+            value = max(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == value:
+                break
+            tree[node] = value
+            node >>= 1
+
+    def fullest(self, need: int, above: int, rows: list[int]) -> int:
+        """The largest parked key above ``above`` whose rank has ``need`` rows of room, else -1."""
+        first = need >> self.shift
+        if first >= self.width:
+            return -1
+        best = -1
+        if self.shift and self.leaves.get(first):  # a shared leaf: rooms below ``need`` too
+            cap, mask = self.cap, self.mask
+            for entry in sorted(self.leaves[first]):  # fullest first
+                key = -entry
+                if key <= above:
+                    break
+                if rows[key & mask] + need <= cap:
+                    best = key
+                    break
+            first += 1
+        tree, low, high = self.tree, first + self.width, 2 * self.width
+        while low < high:
+            if low & 1:
+                best = max(best, tree[low])
+                low += 1
+            if high & 1:
+                high -= 1
+                best = max(best, tree[high])
+            low >>= 1
+            high >>= 1
+        return best if best > above else -1

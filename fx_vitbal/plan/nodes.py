@@ -36,35 +36,37 @@ weighs both (there, an inter-node row counts ``INTER_NODE_WEIGHT`` moved rows).
 import bisect
 import math
 
-from fx_vitbal.plan.greedy import refine
-from fx_vitbal.plan.min_move import best_fit, min_move, shed_over_target
-from fx_vitbal.plan.units import (
+from fx_vitbal.plan.candidates import (
     Candidate,
-    Units,
+    candidate_from_dest,
+    full_dest,
     inter_node_rows,
     make_candidate,
     moved_rows,
-    row_rooms,
+    moves_of,
 )
+from fx_vitbal.plan.greedy import refine
+from fx_vitbal.plan.min_move import best_fit, min_move
+from fx_vitbal.plan.shed import Shed, shed_over_target
+from fx_vitbal.plan.units import Units
 
 # Moving a row across nodes costs this many times moving it inside a node: NVLink 4 gives an H100
 # ~450 GB/s per direction, a node's network one 400 Gb/s NIC (50 GB/s) per GPU: ~9x; rounded down.
 INTER_NODE_WEIGHT = 8.0
 
 
-def traffic(dest: list[int], units: Units, ranks_per_node: int) -> float:
+def traffic(candidate: Candidate, units: Units, ranks_per_node: int) -> float:
     """What ``solve_plan`` minimizes among plans within the makespan slack: rows moved, an
     inter-node row weighing ``INTER_NODE_WEIGHT`` intra-node ones."""
-    inter = inter_node_rows(dest, units, ranks_per_node)
-    return moved_rows(dest, units) + (INTER_NODE_WEIGHT - 1.0) * inter
+    inter = inter_node_rows(candidate, units, ranks_per_node)
+    return moved_rows(candidate, units) + (INTER_NODE_WEIGHT - 1.0) * inter
 
 
 def node_min_move(
     units: Units,
     order: list[int],
-    base: list[float],
     cap: float,
-    accept: float,
+    accept: int,
     ranks_per_node: int,
 ) -> list[Candidate]:
     """min-move that keeps moves inside nodes (module docstring); same arguments as
@@ -72,107 +74,125 @@ def node_min_move(
 
     Returns the node-aware candidate, and node-blind min-move's too when the node-aware one ends
     above ``accept``."""
-    candidate = node_shed_and_place(units, base, cap, accept, ranks_per_node)
-    if max(candidate.loads) <= accept:
+    candidate = node_shed_and_place(units, cap, accept, ranks_per_node)
+    if candidate.makespan <= accept:
         return [candidate]
-    return [candidate, min_move(units, order, base, cap, accept)]
+    return [candidate, min_move(units, order, cap, accept)]
 
 
 def node_shed_and_place(
     units: Units,
-    base: list[float],
     cap: float,
-    accept: float,
+    accept: int,
     ranks_per_node: int,
     repair: bool = True,
+    shed: Shed | None = None,
 ) -> Candidate:
     """The node-aware attempt alone (steps 1-5 of the module docstring, step 5 only with
     ``repair``): no global order, so ``solve_plan`` can aim it at the lower bound before any LPT
     runs. It does so without the repair, which is slow where it fails (at 2048 ranks, the bound
-    out of reach: ~0.1 s) and the full path runs it anyway."""
-    shed, dest, loads, rank_tokens, rank_units = shed_over_target(units, base, cap, accept)
-    start = (dest[:], loads[:], rank_tokens[:], rank_units[:])
-    misfits = _best_fit_nodes_first(
-        shed, dest, loads, rank_tokens, rank_units, units, cap, accept, ranks_per_node
+    out of reach: ~0.1 s) and the full path runs it anyway. ``shed``: step 1 made already."""
+    shed = shed if shed is not None else shed_over_target(units, cap, accept)
+    state = (shed.loads, shed.rows, shed.counts)
+    loads, rows, counts = (x[:] for x in state)
+    everything = list(range(len(shed.ids)))
+    placed, misfits = _best_fit_nodes_first(
+        everything, shed, loads, rows, counts, cap, accept, ranks_per_node
     )
     if misfits:
-        dest, loads, rank_tokens, rank_units = start
+        loads, rows, counts = (x[:] for x in state)
         first = set(misfits)
-        again = misfits + [u for u in shed if u not in first]
-        misfits = _best_fit_nodes_first(
-            again, dest, loads, rank_tokens, rank_units, units, cap, accept, ranks_per_node
+        again = misfits + [k for k in everything if k not in first]
+        placed, misfits = _best_fit_nodes_first(
+            again, shed, loads, rows, counts, cap, accept, ranks_per_node
         )
-    best_fit(misfits, dest, loads, rank_tokens, rank_units, units, cap, accept)
-    candidate = refine(dest, units, base, cap, accept, units.num_ranks)
-    if repair and max(candidate.loads) > accept:
-        candidate = _repair(candidate, units, base, cap, accept, ranks_per_node)
+    if misfits:
+        fitted = best_fit(
+            [shed.costs[k] for k in misfits],
+            [shed.needs[k] for k in misfits],
+            [shed.homes[k] for k in misfits],
+            loads,
+            rows,
+            counts,
+            cap,
+            accept,
+        )
+        for k, d in zip(misfits, fitted, strict=True):
+            placed[k] = d
+    moves = moves_of(shed.ids, placed, shed.homes)
+    candidate = make_candidate(moves, loads, rows, counts, cap)
+    candidate = refine(candidate, units, cap, accept, units.num_ranks)
+    if repair and candidate.makespan > accept:
+        candidate = _repair(candidate, units, cap, accept, ranks_per_node)
     return candidate
 
 
 def _best_fit_nodes_first(
     order: list[int],
-    dest: list[int],
-    loads: list[float],
-    rank_tokens: list[int],
-    rank_units: list[int],
-    units: Units,
+    shed,
+    loads: list[int],
+    rows: list[int],
+    counts: list[int],
     cap: float,
-    limit: float,
+    limit: int,
     ranks_per_node: int,
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
     """Best-fit decreasing in three tiers: the unit's own node, then nodes with import budget
     left, then any rank (module docstring, steps 2-3). Each tier takes the fullest rank whose
     load stays at most ``limit`` and whose rows stay under the cap; ties go to the highest rank
-    (``min_move.best_fit``'s order). Mutates its arguments.
+    (``min_move.best_fit``'s order). ``order`` lists positions in ``shed``. Mutates ``loads``,
+    ``rows`` and ``counts``.
 
-    Returns the units no rank could take within ``limit``, in ``order``."""
+    Returns each shed unit's rank (-1: not placed) and the positions no rank could take within
+    ``limit``, in ``order``."""
     num_ranks = len(loads)
     node_ranks = [
         range(n, min(num_ranks, n + ranks_per_node)) for n in range(0, num_ranks, ranks_per_node)
     ]
-    budget = [sum(max(0.0, limit - loads[r]) for r in ranks) for ranks in node_ranks]
-    cost, tokens, src = units.cost, units.tokens, units.src
-    for u in order:
-        budget[src[u] // ranks_per_node] -= cost[u]
+    budget = [sum(max(0, limit - loads[r]) for r in ranks) for ranks in node_ranks]
+    costs, needs, homes = shed.costs, shed.needs, shed.homes
+    for k in order:
+        budget[homes[k] // ranks_per_node] -= costs[k]
     by_load = sorted((load, r) for r, load in enumerate(loads))
     by_node = [sorted((loads[r], r) for r in ranks) for ranks in node_ranks]
-    room = row_rooms(rank_tokens, rank_units, cap)
+    room = [cap - n if c else math.inf for n, c in zip(rows, counts, strict=True)]
+    placed = [-1] * len(costs)
     misfits = []
-    for u in order:
-        need, home = tokens[u], src[u] // ranks_per_node
-        top = bisect.bisect_right(by_load, (limit - cost[u], math.inf)) - 1
+    for k in order:
+        cost, need, home = costs[k], needs[k], homes[k] // ranks_per_node
+        top = bisect.bisect_right(by_load, (limit - cost, math.inf)) - 1
         node = by_node[home]
-        i = _fullest_fitting(node, limit - cost[u], need, room)
+        i = _fullest_fitting(node, limit - cost, need, room)
         if i >= 0:
             load, r = node.pop(i)
             del by_load[bisect.bisect_left(by_load, (load, r))]
         else:
             i = top  # a node that can import it, else anywhere
             while i >= 0 and (
-                room[by_load[i][1]] < need or budget[by_load[i][1] // ranks_per_node] < cost[u]
+                room[by_load[i][1]] < need or budget[by_load[i][1] // ranks_per_node] < cost
             ):
                 i -= 1
             if i < 0:
-                i = _fullest_fitting(by_load, limit - cost[u], need, room)
+                i = _fullest_fitting(by_load, limit - cost, need, room)
             if i < 0:
-                misfits.append(u)
+                misfits.append(k)
                 continue
             load, r = by_load.pop(i)
             node = by_node[r // ranks_per_node]
             del node[bisect.bisect_left(node, (load, r))]
-            budget[r // ranks_per_node] -= cost[u]
-            budget[home] += cost[u]
-        dest[u] = r
-        loads[r] = load + cost[u]
-        rank_tokens[r] += need
-        rank_units[r] += 1
-        room[r] = cap - rank_tokens[r]
+            budget[r // ranks_per_node] -= cost
+            budget[home] += cost
+        placed[k] = r
+        loads[r] = load + cost
+        rows[r] += need
+        counts[r] += 1
+        room[r] = cap - rows[r]
         bisect.insort(by_load, (loads[r], r))
         bisect.insort(node, (loads[r], r))
-    return misfits
+    return placed, misfits
 
 
-def _fullest_fitting(by_load: list[tuple[float, int]], most: float, need: int, room) -> int:
+def _fullest_fitting(by_load: list[tuple[int, int]], most: float, need: int, room) -> int:
     """Index in ``by_load`` (sorted ``(load, rank)``) of the fullest rank with load at most
     ``most`` and ``need`` rows of room, else -1."""
     i = bisect.bisect_right(by_load, (most, math.inf)) - 1
@@ -189,9 +209,8 @@ _REPAIR_SCAN = 64
 def _repair(
     candidate: Candidate,
     units: Units,
-    base: list[float],
     cap: float,
-    accept: float,
+    accept: int,
     ranks_per_node: int,
 ) -> Candidate:
     """Bring ranks above ``accept`` down to it: move one of their units to a rank with room for
@@ -205,13 +224,12 @@ def _repair(
     Ranks go most loaded first (ties by rank), each for at most as many steps as it has units.
     """
     cost, tokens, src = units.cost, units.tokens, units.src
-    dest, loads = candidate.dest[:], candidate.loads[:]
+    dest, loads = full_dest(candidate, units), candidate.loads[:]
     num_ranks = len(loads)
     held: list[list[int]] = [[] for _ in range(num_ranks)]
-    rank_tokens = [0] * num_ranks
     for u, d in enumerate(dest):
         held[d].append(u)
-        rank_tokens[d] += tokens[u]
+    rank_tokens = candidate.rows[:]
     by_cost = sorted((c, v) for v, c in enumerate(cost))
 
     def crossing(u: int, r: int) -> int:
@@ -236,7 +254,7 @@ def _repair(
                     and keeps_cap(hi, -shift, len(held[hi]))
                 ):
                     continue
-                shifted = cost[u] - (cost[v] if v >= 0 else 0.0)
+                shifted = cost[u] - (cost[v] if v >= 0 else 0)
                 added = crossing(u, x) - crossing(u, hi)
                 if v >= 0:
                     added += crossing(v, hi) - crossing(v, x)
@@ -257,7 +275,7 @@ def _repair(
                 loads[to] += cost[k]
                 rank_tokens[frm] -= tokens[k]
                 rank_tokens[to] += tokens[k]
-    return make_candidate(dest, units, base, cap)
+    return candidate_from_dest(dest, units, cap)
 
 
 def _repair_steps(

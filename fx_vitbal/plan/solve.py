@@ -3,24 +3,25 @@ docstring for the strategies)."""
 
 from collections.abc import Callable, Sequence
 
+import torch
+
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan import nodes
-from fx_vitbal.plan.greedy import lpt_assign, lpt_assign_within, refine
-from fx_vitbal.plan.min_move import min_move, shed_and_place
-from fx_vitbal.plan.units import (
+from fx_vitbal.plan.candidates import (
     Candidate,
+    candidate_from_dest,
+    crossing_rows,
+    make_plan,
+    moved_rows,
+)
+from fx_vitbal.plan.greedy import lpt_assign, lpt_assign_within, refine
+from fx_vitbal.plan.min_move import min_move, room_to_spare, shed_and_place
+from fx_vitbal.plan.shed import shed_over_target
+from fx_vitbal.plan.units import (
     Plan,
     Units,
     cap_unkeepable,
-    crossing_rows,
-    imbalance,
-    keeps_row_cap,
-    make_candidate,
-    make_plan,
-    moved_rows,
     row_cap,
-    sum_loads,
-    validate_inputs,
 )
 
 # min-move may end this much above the refined LPT makespan (the communication it saves is worth
@@ -60,119 +61,135 @@ def solve_plan(
         ValueError: mismatched shapes, negative or non-finite costs, negative token counts.
     """
     config = config or BalanceConfig()
-    validate_inputs(costs, tokens, history)
-    num_ranks = len(costs)
+    if torch.get_default_device().type != "cpu":
+        # A default device set for the model (``torch.set_default_device``) must not move the
+        # planner's tensors: they are small, and on the host no op waits on a device.
+        with torch.device("cpu"):
+            return _solve(costs, tokens, config, history, exchange_seconds)
+    return _solve(costs, tokens, config, history, exchange_seconds)
+
+
+def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> Plan:
+    units = Units(costs, tokens, history)
+    num_ranks = units.num_ranks
     ranks_per_node = config.ranks_per_node
     # Node-aware planning needs two nodes or more; 1 rank per node leaves no move inside a node.
     node_aware = ranks_per_node is not None and 1 < ranks_per_node < num_ranks
-    units = Units(costs, tokens)
-    base = [float(h) for h in history] if history is not None else [0.0] * num_ranks
-    loads_before = sum_loads(units, base, {})
     cap = row_cap(units, config.max_len_ratio)
-    home_keeps_cap = keeps_row_cap(units.home_rows, units.counts, cap)
-    home = Candidate(units.src, loads_before, home_keeps_cap, {}, units.home_rows)
+    home_keeps_cap = units.keeps_cap_at_home(cap)
 
     def skip(reason: str) -> Plan:
-        return make_plan(home, units, base, loads_before, False, reason, ranks_per_node)
+        home = Candidate({}, [], [], [], 0, home_keeps_cap)
+        return make_plan(home, units, False, reason, ranks_per_node)
 
     if num_ranks == 1:
         return skip("single-rank")
-    if not units.cost or sum(loads_before) == 0:
+    if not units.num_units or units.total_before == 0:
         return skip("empty")
-    mean_load = sum(loads_before) / num_ranks
-    if imbalance(loads_before) < config.trigger_threshold:
+    if units.imbalance_before < config.trigger_threshold:
         return skip("balanced")
-    if config.skip_rule == "seed" and max(units.cost) > mean_load:
+    if config.skip_rule == "seed" and float(units.cost_F.max()) > units.total_before / num_ranks:
         return skip("dominant-unit")
 
     def apply(best: Candidate) -> Plan:
         if not best.cap_respected and home_keeps_cap:
             return skip("cap")
-        plan = make_plan(best, units, base, loads_before, True, "applied", ranks_per_node)
-        if max(plan.loads_after) >= max(loads_before) * (1.0 - config.min_gain):
+        plan = make_plan(best, units, True, "applied", ranks_per_node)
+        if max(plan.loads_after) >= units.max_before * (1.0 - config.min_gain):
             return skip("no-gain")
         return plan
+
+    # From here on, loads are fixed point (``Units.scale_exp``): exact, so comparisons and
+    # running sums give the same answer on every rank.
+    base = units.base_fixed
+    total = int(units.home_loads_R.sum())
+    mean_load = -(-total // num_ranks)  # no plan's makespan is below the mean, rounded up
 
     # min-move aims first at the lower bound of any plan's makespan + the slack, without LPT
     # (its sort and per-unit heap are the seed's whole cost). LPT's makespan is at least the
     # bound, so a plan reaching it that keeps the cap is within the slack of every candidate
-    # below, and it is taken without asking them. The one thing given up: on a few ranks LPT
-    # (or, node-aware, node-blind min-move) may move fewer rows by chance. The exchange model
-    # weighs seconds, not the slack: it always takes the full path.
-    if config.strategy == "min-move" and exchange_seconds is None and home_keeps_cap:
-        bound = max(mean_load, max(base), min(base) + max(units.cost))
-        accept = bound * (1.0 + MAKESPAN_SLACK)
-        if node_aware:
-            first = nodes.node_shed_and_place(
-                units, base, cap, accept, ranks_per_node, repair=False
-            )
-        else:
-            first = shed_and_place(units, base, cap, accept)
-        if max(first.loads) <= accept and first.cap_respected:
-            return apply(first)
+    # below, and it is taken without asking them; that holds whether or not the current layout
+    # keeps the cap. The one thing given up: on a few ranks LPT (or, node-aware, node-blind
+    # min-move) may move fewer rows by chance. The exchange model weighs seconds, not the
+    # slack: it always takes the full path; so does a cap no assignment keeps.
+    keepable = home_keeps_cap or not cap_unkeepable(units, cap)
+    if config.strategy == "min-move" and exchange_seconds is None and keepable:
+        bound = max(mean_load, units.largest_cost)
+        if units.history is not None:
+            bound = max(bound, max(base), min(base) + units.largest_cost)
+        accept = int(bound * (1.0 + MAKESPAN_SLACK))
+        shed = shed_over_target(units, cap, accept)
+        if home_keeps_cap or room_to_spare(shed, cap):
+            if node_aware:
+                first = nodes.node_shed_and_place(
+                    units, cap, accept, ranks_per_node, repair=False, shed=shed
+                )
+            else:
+                first = shed_and_place(units, cap, accept, shed)
+            if first.makespan <= accept and first.cap_respected:
+                return apply(first)
 
     order = units.by_cost_desc()
     # The plain greedy balances cost, not rows: it cannot keep a cap that no assignment keeps,
     # nor one at or below the mean rows unless every rank ends exactly at the cap, and where it
     # keeps the cap the capped pass makes the same choices. Only try it when the cap has slack.
-    slack = cap * units.num_ranks > sum(units.tokens)
-    keepable = home_keeps_cap or not cap_unkeepable(units, cap)
-    free = lpt_assign(units, order, base) if keepable and slack else None
-    free_plan = make_candidate(free, units, base, cap) if free is not None else None
-    lpt = refine(
-        free
-        if free_plan is not None and free_plan.cap_respected
-        else lpt_assign_within(units, order, base, cap),
-        units,
-        base,
-        cap,
-        mean_load * (1 + config.tolerance),
-        config.max_iters,
-    )
+    slack = cap * num_ranks > units.total_tokens
+    free = lpt_assign(units, order) if keepable and slack else None
+    free_plan = candidate_from_dest(free, units, cap) if free is not None else None
+    if free_plan is None or not free_plan.cap_respected:
+        start = candidate_from_dest(lpt_assign_within(units, order, cap), units, cap)
+    else:
+        start = free_plan
+    stop_load = total / num_ranks * (1 + config.tolerance)
+    lpt = refine(start, units, cap, stop_load, config.max_iters)
     candidates = [lpt]
     # Under a cap no assignment keeps, or that neither the current layout nor the capped greedy
     # keeps, the rows press against it everywhere, so keeping units home cannot work: min-move
     # would shed from nearly every rank and end as a worse greedy.
     hopeless = not keepable or not (home_keeps_cap or lpt.cap_respected)
     if config.strategy == "min-move" and not hopeless:
-        target = max(lpt.loads)
-        if target >= max(loads_before):
+        target = lpt.makespan
+        if target >= int(units.home_loads_R.max()):
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
             if free_plan is None:
-                free_plan = make_candidate(lpt_assign(units, order, base), units, base, cap)
-            target = max(free_plan.loads)
+                free_plan = candidate_from_dest(lpt_assign(units, order), units, cap)
+            target = free_plan.makespan
         # With an exchange model the trade-off, not a fixed slack, decides how far min-move may
         # trail: it offers plans at several slacks and the cheapest makespan + exchange wins.
         slacks = EXCHANGE_SLACKS if exchange_seconds is not None else (MAKESPAN_SLACK,)
         for slack in slacks:
-            accept = target * (1.0 + slack)
+            accept = int(target * (1.0 + slack))
             if node_aware:
-                candidates += nodes.node_min_move(units, order, base, cap, accept, ranks_per_node)
+                candidates += nodes.node_min_move(units, order, cap, accept, ranks_per_node)
             else:
-                candidates.append(min_move(units, order, base, cap, accept))
+                candidates.append(min_move(units, order, cap, accept))
     # Plans keeping the row cap if any; among them, those within the slack of the best makespan;
     # then less traffic: rows moved, inter-node rows weighing more (LPT, the reference, wins ties).
     pool = [c for c in candidates if c.cap_respected] or candidates
     if exchange_seconds is not None:  # --- measured exchange trade-off (fx_vitbal.measure)
-        seconds = [exchange_seconds(*crossing_rows(c.dest, units)) for c in pool]
+        seconds = [exchange_seconds(*crossing_rows(c, units)) for c in pool]
         best, cost = min(
             zip(pool, seconds, strict=True),
-            key=lambda pair: (max(pair[0].loads) + pair[1], moved_rows(pair[0].dest, units)),
+            key=lambda pair: (
+                units.to_float(pair[0].makespan) + pair[1],
+                moved_rows(pair[0], units),
+            ),
         )
         if not best.cap_respected and home_keeps_cap:
             return skip("cap")
-        if not worth_moving(max(loads_before), max(best.loads), cost):
+        plan = make_plan(best, units, True, "applied", ranks_per_node)
+        if not worth_moving(units.max_before, max(plan.loads_after), cost):
             return skip("exchange")
-        return make_plan(best, units, base, loads_before, True, "applied", ranks_per_node)
-    good_enough = min(max(c.loads) for c in pool) * (1.0 + MAKESPAN_SLACK)
+        return plan
+    good_enough = min(c.makespan for c in pool) * (1.0 + MAKESPAN_SLACK)
 
     def traffic(c: Candidate) -> float:
         if node_aware:
-            return nodes.traffic(c.dest, units, ranks_per_node)
-        return moved_rows(c.dest, units)
+            return nodes.traffic(c, units, ranks_per_node)
+        return moved_rows(c, units)
 
-    return apply(min(pool, key=lambda c: (max(c.loads) > good_enough, traffic(c))))
+    return apply(min(pool, key=lambda c: (c.makespan > good_enough, traffic(c))))
 
 
 def worth_moving(makespan_before: float, makespan_after: float, exchange_seconds: float) -> bool:

@@ -1,19 +1,25 @@
-"""The planner's data: units as flat arrays, candidate assignments with their per-rank sums,
-the row cap, and the ``Plan`` every rank gets.
+"""The planner's data: the flat unit arrays (torch, built and checked for the whole input at
+once), the integer fixed-point costs every decision is made in, the row cap, and the ``Plan``
+every rank gets.
 
-Per-plan sums (loads, rows, the plan's lists) start from each rank's home values and revisit only
-the ranks moves touch: plans move few units, and per-unit Python loops are what planning time is
-made of.
+Shape suffixes: ``_U`` one entry per unit (all ranks' units, rank by rank), ``_R`` one per rank.
+
+Why fixed point: every rank must reach the same plan. Integer sums are exact, so they do not
+depend on the order a reduction runs in (thread count, vector width), and a running sum equals a
+fresh one: a plan's loads are kept up to date move by move and never summed again. The floats a
+``Plan`` reports are summed separately, rank by rank in unit order (``sequential_sums``).
 """
 
-import bisect
-import collections
 import dataclasses
+import functools
 import math
 import operator
+from array import array
+from collections import deque
 from collections.abc import Sequence
-from itertools import accumulate, chain, compress, pairwise, repeat
-from typing import NamedTuple
+from itertools import accumulate, chain, compress, repeat
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,69 +59,242 @@ class Plan:
 
 def imbalance(loads: Sequence[float]) -> float:
     """``max(loads) / mean(loads) - 1`` (0 for all-zero loads)."""
-    total = sum(loads)
-    return max(loads) * len(loads) / total - 1.0 if total > 0 else 0.0
+    return imbalance_of(max(loads), sum(loads), len(loads))
 
 
-class Candidate(NamedTuple):
-    """An assignment (``dest[u]``: the rank computing unit ``u``) with what the planner weighs:
-    its loads, summed afresh (``sum_loads``), whether it keeps the row cap, and the units on the
-    ranks its moves touch (``touched_ranks``; None: not grouped yet, see ``rank_groups``), which
-    the plan's lists are made from, with every rank's rows."""
-
-    dest: list[int]
-    loads: list[float]
-    cap_respected: bool
-    touched: dict[int, list[int]] | None
-    rows: list[int]
+def imbalance_of(largest: float, total: float, count: int) -> float:
+    """``imbalance`` from the loads' maximum, sum and count."""
+    return largest * count / total - 1.0 if total > 0 else 0.0
 
 
 class Units:
-    """Flat arrays over all units of all ranks; unit ``u`` is ``pairs[u] = (src, idx)``, and rank
-    ``r``'s units are ``starts[r]`` to ``starts[r + 1] - 1``.
+    """All ranks' units as flat tensors; unit ``u`` is ``(src, idx)`` with ``src`` its home rank
+    and ``idx = u - starts[src]``, so ids ascend in ``(src, idx)`` order.
 
-    Built with C-level iterators, and with each rank's home cost and rows, because plans move few
-    units: per-plan sums start from the home ones and visit only the ranks moves touch.
+    Built and validated with a few C-level passes and torch ops over the whole input. Python
+    lists of every unit (``cost``, ``tokens``, ``src``) exist only for the paths that deal every
+    unit (LPT); the default path touches per-unit Python only for the units that move.
+
+    Args:
+        costs, tokens, history: as ``solve_plan`` takes them.
+
+    Raises:
+        ValueError: as ``solve_plan`` documents.
     """
 
-    def __init__(self, costs: Sequence[Sequence[float]], tokens: Sequence[Sequence[int]]):
-        self.num_ranks = len(costs)
+    def __init__(self, costs, tokens, history=None):
+        num_ranks = len(costs)
+        if num_ranks == 0:
+            raise ValueError("solve_plan needs at least one rank, got costs for 0 ranks")
+        if len(tokens) != num_ranks:
+            raise ValueError(f"costs has {num_ranks} ranks but tokens has {len(tokens)}")
+        self.num_ranks = num_ranks
         self.counts = list(map(len, costs))
-        self.starts = [0, *accumulate(self.counts)]
-        self.src = list(chain.from_iterable(map(repeat, range(self.num_ranks), self.counts)))
-        # ``(src, idx)`` of each unit: what plans list.
-        self.pairs = list(zip(self.src, chain.from_iterable(map(range, self.counts)), strict=True))
-        self.cost = list(map(float, chain.from_iterable(costs)))
-        self.tokens = list(map(int, chain.from_iterable(tokens)))
-        spans = list(pairwise(self.starts))  # rank r's ids: range(*spans[r])
-        # Summed in id order from 0.0, as ``sum_loads`` sums the ranks a plan touches.
-        self.home_cost = [sum(self.cost[a:b]) for a, b in spans]
-        self.home_rows = [sum(self.tokens[a:b]) for a, b in spans]
+        if self.counts != list(map(len, tokens)):
+            _name_invalid_rank(costs, tokens)
+        self.num_units = sum(self.counts)
+        self.cost_F = _flat_tensor(costs, "d", self.num_units)  # float64: what plans report
+        try:
+            self.tokens_U = _flat_tensor(tokens, "q", self.num_units)
+        except TypeError:  # floats holding whole numbers, say: truncated as int() does
+            if min(chain.from_iterable(tokens)) < 0:
+                _name_invalid_rank(costs, tokens)
+            whole = array("q", map(int, chain.from_iterable(tokens)))
+            self.tokens_U = torch.frombuffer(whole, dtype=torch.int64)
+        if self.num_units and not (
+            bool(torch.isfinite(self.cost_F).all())
+            and float(self.cost_F.min()) >= 0
+            and int(self.tokens_U.min()) >= 0
+        ):
+            _name_invalid_rank(costs, tokens)
+        if history is not None:
+            if len(history) != num_ranks:
+                raise ValueError(f"history has {len(history)} ranks, expected {num_ranks}")
+            if not all(math.isfinite(h) and h >= 0 for h in history):
+                raise ValueError(f"history must be finite and >= 0, got {list(history)!r}")
+        self.history = history
+        self.counts_R = int_tensor(self.counts)
+        self.starts_R = torch.cumsum(self.counts_R, 0) - self.counts_R
+        self.src_U = torch.repeat_interleave(torch.arange(num_ranks), self.counts_R)
+        self.home_rows_R = torch.zeros(num_ranks, dtype=torch.int64).index_add_(
+            0, self.src_U, self.tokens_U
+        )
+        self.total_tokens = int(self.home_rows_R.sum())
+        if self.total_tokens >= 1 << (62 - self.rank_bits):  # they must pack with a rank id
+            raise ValueError(
+                f"token counts must sum to less than 2**{62 - self.rank_bits} for "
+                f"{num_ranks} ranks, got {self.total_tokens}"
+            )
+        sums_R = sequential_sums(self.cost_F, self.src_U, self.counts_R)
+        if history is not None:
+            sums_R = torch.frombuffer(array("d", map(float, history)), dtype=torch.float64) + sums_R
+        self.loads_before = sums_R.tolist()
+        self.total_before = sum(self.loads_before)
+        self.max_before = float(sums_R.max())  # a max is exact in any order
+        self.imbalance_before = imbalance_of(self.max_before, self.total_before, num_ranks)
+
+    @functools.cached_property
+    def base(self) -> list[float]:
+        """Per-rank history (0.0 without)."""
+        return [0.0] * self.num_ranks if self.history is None else list(map(float, self.history))
+
+    @functools.cached_property
+    def home_rows(self) -> list[int]:
+        return self.home_rows_R.tolist()
+
+    @functools.cached_property
+    def idx_U(self) -> torch.Tensor:
+        """Each unit's index on its home rank."""
+        return torch.arange(self.num_units) - self.starts_R.index_select(0, self.src_U)
+
+    # --- fixed point: made only once a plan is needed (skipped steps never pay for it)
+
+    @functools.cached_property
+    def scale_exp(self) -> int:
+        """Costs are ``round(cost * 2**scale_exp)``: the total load stays below
+        ``2**(62 - rank_bits)``, so a load and a rank id pack into one int64 (``rank_bits``)."""
+        # Any bound of the total will do (within a factor of 2): the loads' sum, or past the
+        # float range, the largest value times the number of values.
+        total = math.fsum(self.loads_before)
+        if math.isfinite(total):
+            exponent = math.frexp(total)[1]
+        else:
+            biggest = max(max(self.base), float(self.cost_F.max()))
+            exponent = math.frexp(biggest)[1] + (self.num_units + self.num_ranks).bit_length()
+        return 61 - self.rank_bits - exponent
+
+    @property
+    def rank_bits(self) -> int:
+        return max(1, (self.num_ranks - 1).bit_length())
+
+    def to_fixed(self, values_F: torch.Tensor) -> torch.Tensor:
+        """Fixed-point int64 of non-negative float64 values (two exact power-of-two factors, so
+        neither under- nor overflows)."""
+        half = self.scale_exp // 2
+        scaled = values_F * 2.0**half * 2.0 ** (self.scale_exp - half)
+        return torch.round(scaled).to(torch.int64)
+
+    def to_float(self, value: int) -> float:
+        """A fixed-point load in the costs' unit (for the exchange model's seconds)."""
+        return math.ldexp(float(value), -self.scale_exp)
+
+    @functools.cached_property
+    def cost_U(self) -> torch.Tensor:
+        return self.to_fixed(self.cost_F)
+
+    @functools.cached_property
+    def base_fixed(self) -> list[int]:
+        if self.history is None:
+            return [0] * self.num_ranks
+        return self.to_fixed(torch.frombuffer(array("d", self.base), dtype=torch.float64)).tolist()
+
+    @functools.cached_property
+    def home_loads_R(self) -> torch.Tensor:
+        sums = torch.zeros(self.num_ranks, dtype=torch.int64).index_add_(0, self.src_U, self.cost_U)
+        return sums + int_tensor(self.base_fixed)
+
+    @functools.cached_property
+    def home_loads(self) -> list[int]:
+        return self.home_loads_R.tolist()
+
+    @functools.cached_property
+    def largest_cost(self) -> int:
+        return int(self.cost_U.max()) if self.num_units else 0
+
+    # --- every unit as Python lists: for the paths that deal every unit (LPT, the refinement)
+
+    @functools.cached_property
+    def cost(self) -> list[int]:
+        return self.cost_U.tolist()
+
+    @functools.cached_property
+    def tokens(self) -> list[int]:
+        return self.tokens_U.tolist()
+
+    @functools.cached_property
+    def src(self) -> list[int]:
+        return self.src_U.tolist()
+
+    @functools.cached_property
+    def pairs(self) -> list[tuple[int, int]]:
+        """``(src, idx)`` of each unit: what plans list."""
+        ranks = map(zip, map(repeat, range(self.num_ranks)), map(range, self.counts))
+        return list(chain.from_iterable(ranks))
 
     def by_cost_desc(self) -> list[int]:
         """Unit ids by cost, descending; ties by (src, idx), i.e. by id (the sort is stable)."""
-        negated = [-c for c in self.cost]
-        return sorted(range(len(negated)), key=negated.__getitem__)
+        return torch.sort(-self.cost_U, stable=True).indices.tolist()
+
+    def keeps_cap_at_home(self, cap: float) -> bool:
+        """Whether the current layout keeps the row cap (``keeps_row_cap``, by tensor ops)."""
+        return bool(((self.home_rows_R <= cap) | (self.counts_R <= 1)).all())
+
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """Rank ``r``'s unit ids are ``starts[r]`` to ``starts[r + 1] - 1``."""
+        return [0, *accumulate(self.counts)]
+
+    def home_ids(self, rank: int) -> range:
+        return range(self.starts[rank], self.starts[rank + 1])
 
 
-def validate_inputs(costs, tokens, history) -> None:
-    if len(costs) == 0:
-        raise ValueError("solve_plan needs at least one rank, got costs for 0 ranks")
-    if len(tokens) != len(costs):
-        raise ValueError(f"costs has {len(costs)} ranks but tokens has {len(tokens)}")
-    # Whole-input checks in C first; the per-rank loop only runs to name what is wrong.
-    if (
-        list(map(len, costs)) != list(map(len, tokens))
-        or not all(map(math.isfinite, chain.from_iterable(costs)))
-        or min(chain.from_iterable(costs), default=0) < 0
-        or min(chain.from_iterable(tokens), default=0) < 0
-    ):
-        _name_invalid_rank(costs, tokens)
-    if history is not None:
-        if len(history) != len(costs):
-            raise ValueError(f"history has {len(history)} ranks, expected {len(costs)}")
-        if not all(math.isfinite(h) and h >= 0 for h in history):
-            raise ValueError(f"history must be finite and >= 0, got {list(history)!r}")
+def sequential_sums(values_F: torch.Tensor, group_U: torch.Tensor, sizes_G: torch.Tensor):
+    """Per group, the float64 sum of its values in order from 0.0, as a plain loop adds them: the
+    bits depend on nothing but the values. ``group_U`` (non-decreasing) names each value's
+    group; ``sizes_G`` are the group sizes.
+
+    Column by column: value ``k`` of every group is added in one elementwise op (IEEE addition,
+    lane by lane), so the work is one op per column, not one Python step per value; columns past
+    ``_COLUMNS`` (a few very long groups) go on in Python.
+    """
+    num_groups = len(sizes_G)
+    widest = int(sizes_G.max()) if num_groups else 0
+    total = torch.zeros(num_groups, dtype=torch.float64)
+    if widest == 0:
+        return total
+    columns = min(widest, _COLUMNS)
+    starts_G = torch.cumsum(sizes_G, 0) - sizes_G
+    column_U = torch.arange(len(values_F)) - starts_G.index_select(0, group_U)
+    short_F, short_G, short_U = values_F, group_U, column_U
+    if columns < widest:  # the long groups' first columns only, for now
+        inside = column_U < columns
+        short_F, short_G, short_U = values_F[inside], group_U[inside], column_U[inside]
+    padded = torch.zeros(columns * num_groups, dtype=torch.float64)
+    padded.index_copy_(0, short_U * num_groups + short_G, short_F)
+    padded = padded.view(columns, num_groups)
+    for k in range(columns):
+        total += padded[k]
+    if columns < widest:  # a few very long groups: summed in Python, in the same order
+        for g in (sizes_G > _COLUMNS).nonzero().squeeze(1).tolist():
+            start, size = int(starts_G[g]), int(sizes_G[g])
+            values = values_F[start : start + size].tolist()
+            total[g] = functools.reduce(float.__add__, values, 0.0)
+    return total
+
+
+# Columns ``sequential_sums`` adds as tensor ops: past them, groups are few and long.
+_COLUMNS = 64
+
+
+def int_tensor(values: list[int]) -> torch.Tensor:
+    """An int64 tensor of a list of ints, made in C (``torch.tensor`` parses item by item)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
+
+
+def _flat_tensor(rows, typecode: str, num_units: int) -> torch.Tensor:
+    """All ranks' values in one float64 (``d``) or int64 (``q``) tensor, converted in C: list
+    by list where the ranks are lists, else item by item (``TypeError`` for other values)."""
+    dtype = torch.float64 if typecode == "d" else torch.int64
+    if num_units == 0:
+        return torch.zeros(0, dtype=dtype)
+    flat = array(typecode)
+    try:
+        deque(map(flat.fromlist, rows), maxlen=0)
+    except TypeError:  # not lists (or not numbers: raised again below)
+        flat = array(typecode, chain.from_iterable(rows))
+    return torch.frombuffer(flat, dtype=dtype)
 
 
 def _name_invalid_rank(costs, tokens) -> None:
@@ -128,45 +307,7 @@ def _name_invalid_rank(costs, tokens) -> None:
             raise ValueError(f"rank {r}: costs must be finite and >= 0, got {list(rank_costs)!r}")
         if rank_tokens and min(rank_tokens) < 0:
             raise ValueError(f"rank {r}: token counts must be >= 0, got {list(rank_tokens)!r}")
-
-
-def moved_units(dest: list[int], units: Units) -> list[int]:
-    """Ids of the units ``dest`` computes away from home, ascending (found in C)."""
-    return list(compress(range(len(dest)), map(operator.ne, dest, units.src)))
-
-
-def touched_ranks(dest: list[int], units: Units, moves: list[int]) -> dict[int, list[int]]:
-    """The units (ascending ids: ``(src, idx)`` order) that ``dest`` puts on each rank that
-    ``moves`` sends a unit to or from; every other rank computes its own units.
-
-    Units leaving or reaching those ranks stay among them, so a stable sort of their home units
-    by ``dest`` groups them, in C, whether few ranks or all take part."""
-    src, starts = units.src, units.starts
-    ranks = sorted({src[u] for u in moves} | {dest[u] for u in moves})
-    ids = list(chain.from_iterable(range(starts[r], starts[r + 1]) for r in ranks))
-    ids.sort(key=dest.__getitem__)
-    owners = list(map(dest.__getitem__, ids))
-    bounds = [*(bisect.bisect_left(owners, r) for r in ranks), len(ids)]
-    return {r: ids[bounds[i] : bounds[i + 1]] for i, r in enumerate(ranks)}
-
-
-def sum_loads(units: Units, base: list[float], touched: dict[int, list[int]]) -> list[float]:
-    """Per-rank loads of an assignment whose ``touched`` ranks hold those units (``touched_ranks``),
-    the others their own: history plus the rank's costs summed in id order (the same bits for
-    the same assignment however it was reached)."""
-    loads = list(map(operator.add, base, units.home_cost))
-    for r, ids in touched.items():
-        loads[r] = base[r] + sum(map(units.cost.__getitem__, ids))
-    return loads
-
-
-def _rows_and_counts(units: Units, touched: dict[int, list[int]]) -> tuple[list[int], list[int]]:
-    """Per-rank rows and unit counts, the home ones but on the ranks moves touch."""
-    rows, counts = units.home_rows[:], units.counts[:]
-    for r, ids in touched.items():
-        rows[r] = sum(map(units.tokens.__getitem__, ids))
-        counts[r] = len(ids)
-    return rows, counts
+    raise AssertionError("an invalid input that no rank shows")
 
 
 def row_cap(units: Units, ratio: float | None) -> float:
@@ -176,10 +317,18 @@ def row_cap(units: Units, ratio: float | None) -> float:
     are integers, so flooring ``mean * ratio`` changes no comparison and keeps row room exact.
     """
     if ratio is None:
-        return max(units.home_rows)
+        return int(units.home_rows_R.max())
     if ratio == math.inf:
         return math.inf
-    return math.floor(sum(units.tokens) / units.num_ranks * ratio)
+    return math.floor(units.total_tokens / units.num_ranks * ratio)
+
+
+def keeps_row_cap(rows: Sequence[int], counts: Sequence[int], cap: float) -> bool:
+    """No rank above ``cap`` rows, but for ranks holding a single unit."""
+    if max(rows) <= cap:  # in C: the usual answer
+        return True
+    over = compress(counts, map(operator.gt, rows, repeat(cap)))  # still in C
+    return all(map(operator.ge, repeat(1), over))
 
 
 def cap_unkeepable(units: Units, cap: float) -> bool:
@@ -189,97 +338,10 @@ def cap_unkeepable(units: Units, cap: float) -> bool:
     At best the units above the cap sit alone and every other rank is full to the cap, so more
     rows than that fit in no assignment.
     """
-    excess = sum(n - cap for n in units.tokens if n > cap)
-    return sum(units.tokens) > cap * units.num_ranks + excess
-
-
-def row_rooms(rank_tokens: list[int], rank_units: list[int], cap: float) -> list[float]:
-    """Rows each rank can still take. An empty rank may always hold one unit alone, however
-    large (the cap's documented exception)."""
-    return [cap - n if k else math.inf for n, k in zip(rank_tokens, rank_units, strict=True)]
-
-
-def make_candidate(dest: list[int], units: Units, base: list[float], cap: float) -> Candidate:
-    """``dest`` with its fresh loads (running sums may differ in the last bits) and row check."""
-    moves = moved_units(dest, units)
-    if 4 * len(moves) <= len(dest):
-        touched = touched_ranks(dest, units, moves)
-        loads = sum_loads(units, base, touched)
-        rows, counts = _rows_and_counts(units, touched)
-    else:  # most units move (LPT): one pass over them all; grouped only if a plan needs it
-        touched = None
-        costs, rows = [0.0] * units.num_ranks, [0] * units.num_ranks
-        for d, c, n in zip(dest, units.cost, units.tokens, strict=True):
-            costs[d] += c  # in id order from 0.0: the bits ``sum_loads`` gives
-            rows[d] += n
-        loads = list(map(operator.add, base, costs))
-        counts = collections.Counter(dest)  # counted in C
-    return Candidate(dest, loads, keeps_row_cap(rows, counts, cap), touched, rows)
-
-
-def rank_groups(candidate: Candidate, units: Units) -> dict[int, list[int]]:
-    """The units (ascending ids) of each rank the candidate's moves touch: ``touched``, or every
-    rank's, grouped now when ``make_candidate`` left that for later."""
-    if candidate.touched is not None:
-        return candidate.touched
-    held: list[list[int]] = [[] for _ in range(units.num_ranks)]
-    for u, d in enumerate(candidate.dest):
-        held[d].append(u)
-    return dict(enumerate(held))
-
-
-def keeps_row_cap(rows: list[int], counts: Sequence[int], cap: float) -> bool:
-    """No rank above ``cap`` rows, but for ranks holding a single unit."""
-    return all(counts[r] <= 1 for r, n in enumerate(rows) if n > cap)
-
-
-def make_plan(
-    candidate: Candidate,
-    units: Units,
-    base: list[float],
-    loads_before: list[float],
-    applied: bool,
-    reason: str,
-    ranks_per_node: int | None = None,
-) -> Plan:
-    dest, loads_after = candidate.dest, candidate.loads
-    groups = rank_groups(candidate, units)
-    if candidate.touched is None:  # the refinement's running sums: summed afresh
-        loads_after = sum_loads(units, base, groups)
-    # Ranks no move touches compute their own units, in order: slices of the home pairs.
-    starts, pairs = units.starts, units.pairs
-    assignment = list(map(pairs.__getitem__, map(slice, starts, starts[1:])))
-    for r, ids in groups.items():
-        assignment[r] = list(map(pairs.__getitem__, ids))
-    return Plan(
-        assignment=assignment,
-        applied=applied,
-        reason=reason,
-        loads_before=loads_before,
-        loads_after=loads_after,
-        imbalance_before=imbalance(loads_before),
-        imbalance_after=imbalance(loads_after),
-        moved_tokens=moved_rows(dest, units),
-        cap_respected=candidate.cap_respected,
-        inter_node_tokens=inter_node_rows(dest, units, ranks_per_node),
-    )
-
-
-def moved_rows(dest: list[int], units: Units) -> int:
-    return sum(map(units.tokens.__getitem__, moved_units(dest, units)))
-
-
-def inter_node_rows(dest: list[int], units: Units, ranks_per_node: int | None) -> int:
-    """Rows computed on another node than their home rank's (rank ``r`` on node
-    ``r // ranks_per_node``); 0 when nodes are unknown (``None``)."""
-    if ranks_per_node is None:
-        return 0
-    src, tokens = units.src, units.tokens
-    return sum(
-        tokens[u]
-        for u in moved_units(dest, units)
-        if dest[u] // ranks_per_node != src[u] // ranks_per_node
-    )
+    if cap == math.inf:
+        return False
+    excess = int((units.tokens_U - cap).clamp(min=0).sum())
+    return units.total_tokens > cap * units.num_ranks + excess
 
 
 def plan_crossing_rows(plan: Plan, units_R: Sequence[Sequence[tuple[int, int, int]]]):
@@ -293,14 +355,4 @@ def plan_crossing_rows(plan: Plan, units_R: Sequence[Sequence[tuple[int, int, in
                 t, h, w = units_R[src][idx]
                 send[src] += t * h * w
                 recv[d] += t * h * w
-    return send, recv
-
-
-def crossing_rows(dest: list[int], units: "Units") -> tuple[list[int], list[int]]:
-    """Per rank, rows sent to other ranks and rows received from them under ``dest``."""
-    send, recv = [0] * units.num_ranks, [0] * units.num_ranks
-    for u, d in enumerate(dest):
-        if d != units.src[u]:
-            send[units.src[u]] += units.tokens[u]
-            recv[d] += units.tokens[u]
     return send, recv

@@ -1,0 +1,171 @@
+"""Candidate assignments, as the units they move, and the ``Plan`` made of the one chosen.
+
+A candidate lists only the units computed away from home, with every rank's fixed-point load,
+rows and unit count kept exact move by move. The plan's lists and reported float loads are
+rebuilt only on the ranks those moves touch: every other rank computes its own units, in order.
+"""
+
+import operator
+from collections.abc import Sequence
+from itertools import accumulate, compress, repeat
+from typing import NamedTuple
+
+import torch
+
+from fx_vitbal.plan.units import (
+    Plan,
+    Units,
+    imbalance_of,
+    int_tensor,
+    keeps_row_cap,
+    sequential_sums,
+)
+
+
+class Candidate(NamedTuple):
+    """An assignment and what the planner weighs: ``moves[u]`` is the rank computing unit ``u``
+    for every unit away from home; ``loads`` (fixed point), ``rows`` and ``counts`` are every
+    rank's under it; ``makespan`` the largest load; ``cap_respected`` whether it keeps the row
+    cap."""
+
+    moves: dict[int, int]
+    loads: list[int]
+    rows: list[int]
+    counts: list[int]
+    makespan: int
+    cap_respected: bool
+
+
+def moves_of(ids: list[int], placed: list[int], homes: list[int]) -> dict[int, int]:
+    """``{unit: rank}`` for the placed units that left home (in C)."""
+    return dict(compress(zip(ids, placed, strict=True), map(operator.ne, placed, homes)))
+
+
+def make_candidate(
+    moves: dict[int, int], loads: list[int], rows: list[int], counts: list[int], cap: float
+) -> Candidate:
+    """A candidate of its moves and every rank's load, rows and unit count under them."""
+    return Candidate(moves, loads, rows, counts, max(loads), keeps_row_cap(rows, counts, cap))
+
+
+def candidate_from_dest(dest: Sequence[int], units: Units, cap: float) -> Candidate:
+    """The candidate of a full assignment (``dest[u]``: the rank computing unit ``u``), as the
+    greedy passes that deal every unit make them; sums by torch ops over the whole input."""
+    dest_U = int_tensor(list(dest))
+    num_ranks = units.num_ranks
+    zeros = torch.zeros(num_ranks, dtype=torch.int64)
+    loads = zeros.index_add(0, dest_U, units.cost_U).tolist()
+    loads = [b + x for b, x in zip(units.base_fixed, loads, strict=True)]
+    rows = zeros.index_add(0, dest_U, units.tokens_U).tolist()
+    counts = torch.bincount(dest_U, minlength=num_ranks).tolist()
+    away = (dest_U != units.src_U).nonzero().squeeze(1)
+    moves = dict(zip(away.tolist(), dest_U[away].tolist(), strict=True))
+    return make_candidate(moves, loads, rows, counts, cap)
+
+
+def full_dest(candidate: Candidate, units: Units) -> list[int]:
+    """``dest[u]`` for every unit (for the passes that need it)."""
+    dest = units.src[:]
+    for u, d in candidate.moves.items():
+        dest[u] = d
+    return dest
+
+
+def _moved(candidate: Candidate, units: Units) -> tuple[list[int], list[int], list[int]]:
+    """Sources, destinations and rows of the moved units, in ``moves`` order."""
+    ids = int_tensor(list(candidate.moves))
+    return (
+        units.src_U[ids].tolist(),
+        list(candidate.moves.values()),
+        units.tokens_U[ids].tolist(),
+    )
+
+
+def moved_rows(candidate: Candidate, units: Units) -> int:
+    """Pixel rows computed away from home."""
+    if not candidate.moves:
+        return 0
+    return int(units.tokens_U[int_tensor(list(candidate.moves))].sum())
+
+
+def inter_node_rows(candidate: Candidate, units: Units, ranks_per_node: int | None) -> int:
+    """Rows computed on another node than their home rank's (rank ``r`` on node
+    ``r // ranks_per_node``); 0 when nodes are unknown (``None``)."""
+    if ranks_per_node is None or not candidate.moves:
+        return 0
+    srcs, dests, rows = _moved(candidate, units)
+    return sum(
+        n
+        for s, d, n in zip(srcs, dests, rows, strict=True)
+        if s // ranks_per_node != d // ranks_per_node
+    )
+
+
+def crossing_rows(candidate: Candidate, units: Units) -> tuple[list[int], list[int]]:
+    """Per rank, rows sent to other ranks and rows received from them."""
+    send, recv = [0] * units.num_ranks, [0] * units.num_ranks
+    if candidate.moves:
+        for s, d, n in zip(*_moved(candidate, units), strict=True):
+            send[s] += n
+            recv[d] += n
+    return send, recv
+
+
+def make_plan(
+    candidate: Candidate,
+    units: Units,
+    applied: bool,
+    reason: str,
+    ranks_per_node: int | None = None,
+) -> Plan:
+    """The ``Plan`` of ``candidate``.
+
+    Every rank's units, grouped by a stable sort of their destinations, come out in ``(src,
+    idx)`` order; their reported float loads are summed afresh in that order, as ``Units`` sums
+    the home ones, so a rank no move touches reports the same bits before and after."""
+    moved_tokens = inter_node = 0
+    if not candidate.moves:
+        counts = units.counts
+        ranks = map(zip, map(repeat, range(units.num_ranks)), map(range, counts))
+        assignment = list(map(list, ranks))
+        loads_after = units.loads_before[:]
+        imbalance_after = units.imbalance_before
+    else:
+        ids = int_tensor(list(candidate.moves))
+        dest_U = units.src_U.clone()
+        dest_U.index_copy_(0, ids, int_tensor(list(candidate.moves.values())))
+        order_U = torch.sort(dest_U, stable=True).indices
+        sizes_R = torch.bincount(dest_U, minlength=units.num_ranks)
+        sums_R = sequential_sums(
+            units.cost_F.index_select(0, order_U), dest_U.index_select(0, order_U), sizes_R
+        )
+        if units.history is not None:
+            sums_R = sums_R + torch.tensor(units.base, dtype=torch.float64)
+        loads_after = sums_R.tolist()
+        imbalance_after = imbalance_of(float(sums_R.max()), sum(loads_after), units.num_ranks)
+        pairs = zip(
+            units.src_U.index_select(0, order_U).tolist(),
+            units.idx_U.index_select(0, order_U).tolist(),
+            strict=True,
+        )
+        grouped = list(pairs)
+        bounds = [0, *accumulate(sizes_R.tolist())]
+        assignment = list(map(grouped.__getitem__, map(slice, bounds, bounds[1:])))
+        rows = units.tokens_U.index_select(0, ids)
+        moved_tokens = int(rows.sum())
+        if ranks_per_node is not None:
+            srcs = units.src_U.index_select(0, ids)
+            crossing = srcs // ranks_per_node != dest_U.index_select(0, ids) // ranks_per_node
+            inter_node = int(rows[crossing].sum())
+    return Plan(
+        assignment=assignment,
+        applied=applied,
+        reason=reason,
+        loads_before=units.loads_before,
+        loads_after=loads_after,
+        imbalance_before=units.imbalance_before,
+        imbalance_after=imbalance_after,
+        moved_tokens=moved_tokens,
+        cap_respected=candidate.cap_respected,
+        inter_node_tokens=inter_node,
+    )
