@@ -26,6 +26,7 @@ ops would be billed as CPU time. Plans are the same for any thread count.
 """
 
 import argparse
+import atexit
 import gc
 import heapq
 import importlib
@@ -33,6 +34,7 @@ import math
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -111,6 +113,7 @@ def load_baseline(revision: str):
         text=True,
     ).stdout.split()
     folder = pathlib.Path(tempfile.mkdtemp(prefix="planner_baseline_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     package = folder / "_baseline_plan"
     package.mkdir()
     for name in names:

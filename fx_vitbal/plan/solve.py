@@ -111,7 +111,8 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
     # below, and it is taken without asking them; that holds whether or not the current layout
     # keeps the cap. The one thing given up: on a few ranks LPT (or, node-aware, node-blind
     # min-move) may move fewer rows by chance. The exchange model weighs seconds, not the
-    # slack: it always takes the full path; so does a cap no assignment keeps.
+    # slack: it always takes the full path; so does a cap no assignment keeps, and one the
+    # current layout breaks unless the shed rows leave room to spare (``room_to_spare``).
     keepable = home_keeps_cap or not cap_unkeepable(units, cap)
     if config.strategy == "min-move" and exchange_seconds is None and keepable:
         bound = max(mean_load, units.largest_cost)
