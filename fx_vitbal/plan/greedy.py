@@ -6,7 +6,7 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from fx_vitbal.plan.candidates import Candidate, candidate_from_dest, make_candidate
+from fx_vitbal.plan.candidates import Candidate, make_candidate
 from fx_vitbal.plan.units import Units
 
 
@@ -196,13 +196,6 @@ def refine(
             heapq.heappush(highest, (-loads[r], r))
             heapq.heappush(lowest, (loads[r], r))
     return make_candidate(moves, loads, rows, counts, cap)
-
-
-def refine_dest(
-    dest: list[int], units: Units, cap: float, stop_load: float, max_iters: int
-) -> Candidate:
-    """``refine`` of a full assignment (LPT's)."""
-    return refine(candidate_from_dest(dest, units, cap), units, cap, stop_load, max_iters)
 
 
 def _best_step(
