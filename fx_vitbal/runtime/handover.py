@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime import status, transfer
-from fx_vitbal.runtime.routing import Routing, local_only_routing, routing_size
+from fx_vitbal.runtime.routing import Routing, local_outputs, routing_size
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,15 @@ def step_outputs(
                 "ahead; the plan moves nothing, so this rank runs its ViT on its own batch",
                 dist.get_rank(group),
             )
-        return _local_outputs(pixel_values, grid_thw, settings[1], route, len(step_ranks))
+        return local_outputs(  # with the pixel layout the ranks agreed on, for a dummy unit
+            pixel_values,
+            grid_thw,
+            settings[1],
+            len(step_ranks),
+            any_units=route.any_units or bool(pixel_values.shape[0]),
+            row_numel=route.row_numel,
+            dtype_code=route.dtype_code,
+        )
     grid = transfer.to_device(planned.grid, grid_thw.device).to(grid_thw.dtype)
     mismatched = not same
     if same and transfer.on_host(grid_thw):
@@ -142,20 +150,3 @@ def _same_shapes(batch: BatchKey, pixel_values, grid_thw, grad_fixed: bool) -> b
         and (grad_fixed or pixel_values.requires_grad == grad)
         and tuple(grid_thw.shape) == (len(grid), 3)
     )
-
-
-def _local_outputs(pixel_values, grid_thw, merge_size, route: Routing, world_size: int):
-    """A rank's own batch, kept home (the plan moved nothing anywhere): the inactive plan's
-    outputs, with the pixel layout the ranks agreed on, so a rank without images still runs the
-    dummy unit in their row width."""
-    local = dataclasses.replace(
-        local_only_routing(grid_thw.shape[0], world_size, merge_size),
-        any_units=route.any_units or bool(pixel_values.shape[0]),
-        row_numel=route.row_numel,
-        dtype_code=route.dtype_code,
-    )
-    units = pixel_values.shape[0] // (merge_size * merge_size)
-    if grid_thw.shape[0]:
-        return grid_thw.clone(), local.to_tensor(units)
-    dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
-    return transfer.to_device(dummy, grid_thw.device), local.to_tensor(units)

@@ -25,8 +25,9 @@ from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
 from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
 from fx_vitbal.runtime.routing import (
     balanced_grid,
-    local_only_routing,
+    local_outputs,
     local_routing,
+    max_units,
     routing_size,
     split_units,
 )
@@ -67,12 +68,7 @@ def plan(
             "ranks"
         )
     if not active:
-        units = max_units(pixel_values.shape[0], merge_size)
-        routing = local_only_routing(grid_thw.shape[0], world_size, merge_size)
-        if grid_thw.shape[0]:
-            return grid_thw.clone(), routing.to_tensor(units)
-        dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
-        return transfer.to_device(dummy, grid_thw.device), routing.to_tensor(units)
+        return local_outputs(pixel_values, grid_thw, merge_size, world_size)
     status.check(group_name)  # a step whose backward never ran: its outputs' verdict first
     planned = handover.take(module_key) if module_key else None
     if planned is not None:  # made ahead (fx_vitbal.plan_ahead): no gather, no solve
@@ -156,11 +152,6 @@ def solve_for_rank(
 
 # Ids of the calls planned in this process, for their status words and deferred reports.
 _CALL_IDS = itertools.count(1)
-
-
-def max_units(pixel_rows: int, merge_size: int) -> int:
-    """Upper bound on a rank's units: each has at least ``merge_size**2`` rows."""
-    return pixel_rows // (merge_size * merge_size)
 
 
 @plan.register_fake

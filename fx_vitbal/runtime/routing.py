@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from fx_vitbal.plan.units import Plan
+from fx_vitbal.runtime import transfer
 from fx_vitbal.runtime.rows import DTYPES
 
 # Values before the per-rank and per-unit parts of a packed routing tensor (see Routing).
@@ -172,6 +173,26 @@ def _merged(ranges) -> list[tuple[int, int]]:
         elif b > a:
             merged.append((a, b))
     return merged
+
+
+def max_units(pixel_rows: int, merge_size: int) -> int:
+    """Upper bound on a rank's units: each has at least ``merge_size**2`` rows."""
+    return pixel_rows // (merge_size * merge_size)
+
+
+def local_outputs(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge_size: int, world_size: int, **agreed
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vitbal::plan``'s outputs when nothing moves: the local grid (or the dummy unit) and
+    ``local_only_routing``, with ``agreed`` fields (the pixel layout a plan made ahead knows)."""
+    route = dataclasses.replace(
+        local_only_routing(grid_thw.shape[0], world_size, merge_size), **agreed
+    )
+    routing = route.to_tensor(max_units(pixel_values.shape[0], merge_size))
+    if grid_thw.shape[0]:
+        return grid_thw.clone(), routing
+    dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
+    return transfer.to_device(dummy, grid_thw.device), routing
 
 
 def routing_size(max_units: int, world_size: int) -> int:
