@@ -23,6 +23,17 @@ lowering of the reference model guards on ``Eq((u3//4), 1)``; 2.11 and newer tra
 (2.9 and 2.10 untested). Tests there compile per size instead."""
 
 
+CHECKPOINT_CLOSES_ON_ERROR = TORCH_VERSION >= (2, 13)
+"""Whether ``torch.utils.checkpoint(use_reentrant=False)`` takes its saved-tensor hooks off when
+the checkpointed function raises. Before 2.13 it does not (``ret = function(*args, **kwargs)``
+outside any ``try``; 2.13 adds ``gen.throw``): the hooks stay installed while anything still
+references the failed call's frames, and they then pack the next step's tensors, whose backward
+re-runs the failed forward, collectives included. Torch 2.8's dynamo can keep those frames alive
+after compiling the call (seen in ``test_fault.py``: a rank recomputing a failed compiled step in
+the next step's backward, the others waiting). Tests on older torch do not checkpoint a call
+that is meant to raise."""
+
+
 def fullgraph_capture(enabled: bool = True):
     """The dynamo setting under which ``fullgraph=True`` captures the ops' data-dependent sizes
     on every supported torch: ``fullgraph=True`` implies it from torch 2.10 on; 2.8 and 2.9 need it

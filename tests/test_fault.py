@@ -6,12 +6,13 @@ skewed or balanced batches, a trigger threshold that skips every plan, the eager
 path, eval mode on every rank, and a bad input on one random rank. A second RNG (so the first
 keeps its draws) picks the autograd entry point (``.backward()``, ``torch.autograd.grad`` over
 every parameter or with ``inputs=`` half of them, ``retain_graph=True`` and a second backward, a
-non-reentrant checkpoint) and whether the eager call runs under ``torch.compile``. Each step must
-equal the unbalanced run on every rank (outputs, deepstack, window_index, all-reduced parameter
-gradients) or raise the same ``ValueError`` on every rank; a good step follows every bad one. The
-collectives each rank issues (``runtime.collectives``: kind, phase, gather size) must be the
-same sequence on every rank in every step. Pixels do not require gradients, as in training
-(``test_lockstep.py`` covers ranks whose pixels differ in that).
+non-reentrant checkpoint; not around a bad step on torch < 2.13, see
+``dist_utils.CHECKPOINT_CLOSES_ON_ERROR``) and whether the eager call runs under
+``torch.compile``. Each step must equal the unbalanced run on every rank (outputs, deepstack,
+window_index, all-reduced parameter gradients) or raise the same ``ValueError`` on every rank; a
+good step follows every bad one. The collectives each rank issues (``runtime.collectives``: kind,
+phase, gather size) must be the same sequence on every rank in every step. Pixels do not require
+gradients, as in training (``test_lockstep.py`` covers ranks whose pixels differ in that).
 
 Every collective runs on a group with a short timeout, so a rank left waiting fails the test
 within seconds instead of stalling CI.
@@ -25,7 +26,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from dist_utils import record_collectives, record_moves, run_ranks
+from dist_utils import CHECKPOINT_CLOSES_ON_ERROR, record_collectives, record_moves, run_ranks
 from torch.utils.checkpoint import checkpoint
 
 import fx_vitbal
@@ -164,7 +165,9 @@ def _call(vit, pixels, grid, scenario, group, balanced: bool):
     if scenario["eval"]:
         return forward(), None
     entry = scenario["entry"]
-    out = checkpoint(forward, use_reentrant=False) if entry == "checkpoint" else forward()
+    raises = scenario["bad_rank"] is not None
+    checkpointed = entry == "checkpoint" and (CHECKPOINT_CLOSES_ON_ERROR or not raises)
+    out = checkpoint(forward, use_reentrant=False) if checkpointed else forward()
     loss = _loss([out[0], *out[2]]) if out[0] is not None else torch.zeros(())
     if loss.requires_grad:  # not when no rank has an image: nothing ran with gradients
         params = list(vit.parameters())
