@@ -4,10 +4,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import (
     UNBACKED_BATCH_SIZES,
     assert_units_moved,
     fullgraph_capture,
+    record_collectives,
     record_moves,
     run_ranks,
     train_step,
@@ -74,12 +76,23 @@ def _compiled_vs_reference(rank: int, world: int, mode: str, steps=STEPS) -> dic
     start = time.perf_counter()
     with record_moves() as moves, fullgraph_capture(mode != "wrapped_vitbal_aot_eager"):
         got = [train_step(run, step[rank], rank, unbacked=unbacked) for step in steps]
+    seconds = time.perf_counter() - start
+    planned = None
+    if mode == "wrapped_inductor":  # a plan made ahead enters the same inductor graph
+        _, pixels, grid = make_inputs(steps[0][rank], in_dim=24, seed=rank)
+        ahead = fx_vitbal.plan_ahead(run, pixels, grid, group=dist.group.WORLD)
+        fx_vitbal.use_plan(run, ahead)
+        with record_collectives() as issued, fullgraph_capture():
+            got_planned = train_step(run, steps[0][rank], rank, unbacked=unbacked)
+        forward = [name for phase, name, _, _ in issued if phase == "forward"]
+        planned = (got_planned, forward, ahead.plan.applied)
     return {
         "got": got,
         "wanted": wanted,
         "moves": moves,
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
+        "planned": planned,
     }
 
 
@@ -99,10 +112,17 @@ def test_wrapped_model_through_the_vitbal_backend_matches_and_moves_images():
 
 @pytest.mark.slow
 @needs_unbacked_batch_sizes
-def test_wrapped_model_through_vitbal_with_inductor_compiles_once_for_all_image_counts():
+def test_inductor_wrapped_model_compiles_once_for_all_image_counts_and_takes_plans_made_ahead():
     results = run_ranks(_compiled_vs_reference, 2, "wrapped_inductor", timeout=900)
     _check(results)
-    assert [res["graphs"] for res in results] == [1, 1]
+    assert [res["graphs"] for res in results] == [1, 1]  # the planned step compiled nothing
+    for res in results:  # the planned step: the first step's results, no metadata gather
+        (logits, grads), forward, applied = res["planned"]
+        assert applied
+        want_logits, want_grads = res["wanted"][0]
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grads, want_grads, rtol=1e-4, atol=1e-5)
+        assert forward == ["all_to_all", "all_to_all"], forward
 
 
 @pytest.mark.slow
