@@ -81,24 +81,24 @@ def _moved(candidate: Candidate, units: Units) -> tuple[list[int], list[int], li
     )
 
 
-def moved_rows(candidate: Candidate, units: Units) -> int:
-    """Pixel rows computed away from home."""
+def rows_away(
+    candidate: Candidate, units: Units, ranks_per_node: int | None = None
+) -> tuple[int, int]:
+    """Pixel rows computed away from home, and how many of them on another node than their home
+    rank's (rank ``r`` on node ``r // ranks_per_node``; 0 when nodes are unknown, ``None``)."""
     if not candidate.moves:
-        return 0
-    return int(units.tokens_U[int_tensor(list(candidate.moves))].sum())
+        return 0, 0
+    ids = int_tensor(list(candidate.moves))
+    return _rows_away(units, ids, int_tensor(list(candidate.moves.values())), ranks_per_node)
 
 
-def inter_node_rows(candidate: Candidate, units: Units, ranks_per_node: int | None) -> int:
-    """Rows computed on another node than their home rank's (rank ``r`` on node
-    ``r // ranks_per_node``); 0 when nodes are unknown (``None``)."""
-    if ranks_per_node is None or not candidate.moves:
-        return 0
-    srcs, dests, rows = _moved(candidate, units)
-    return sum(
-        n
-        for s, d, n in zip(srcs, dests, rows, strict=True)
-        if s // ranks_per_node != d // ranks_per_node
-    )
+def _rows_away(units: Units, ids, dests, ranks_per_node: int | None) -> tuple[int, int]:
+    """``rows_away`` of the units ``ids`` computed on ``dests`` (tensors)."""
+    rows = units.tokens_U.index_select(0, ids)
+    if ranks_per_node is None:
+        return int(rows.sum()), 0
+    crossing = units.src_U.index_select(0, ids) // ranks_per_node != dests // ranks_per_node
+    return int(rows.sum()), int(rows[crossing].sum())
 
 
 def crossing_rows(candidate: Candidate, units: Units) -> tuple[list[int], list[int]]:
@@ -131,9 +131,9 @@ def make_plan(
         loads_after = units.loads_before[:]
         imbalance_after = units.imbalance_before
     else:
-        ids = int_tensor(list(candidate.moves))
+        ids, dests = int_tensor(list(candidate.moves)), int_tensor(list(candidate.moves.values()))
         dest_U = units.src_U.clone()
-        dest_U.index_copy_(0, ids, int_tensor(list(candidate.moves.values())))
+        dest_U.index_copy_(0, ids, dests)
         order_U = torch.sort(dest_U, stable=True).indices
         sizes_R = torch.bincount(dest_U, minlength=units.num_ranks)
         sums_R = sequential_sums(
@@ -151,12 +151,7 @@ def make_plan(
         grouped = list(pairs)
         bounds = [0, *accumulate(sizes_R.tolist())]
         assignment = list(map(grouped.__getitem__, map(slice, bounds, bounds[1:])))
-        rows = units.tokens_U.index_select(0, ids)
-        moved_tokens = int(rows.sum())
-        if ranks_per_node is not None:
-            srcs = units.src_U.index_select(0, ids)
-            crossing = srcs // ranks_per_node != dest_U.index_select(0, ids) // ranks_per_node
-            inter_node = int(rows[crossing].sum())
+        moved_tokens, inter_node = _rows_away(units, ids, dests, ranks_per_node)
     return Plan(
         assignment=assignment,
         applied=applied,

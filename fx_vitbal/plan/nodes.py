@@ -40,10 +40,9 @@ from fx_vitbal.plan.candidates import (
     Candidate,
     candidate_from_dest,
     full_dest,
-    inter_node_rows,
     make_candidate,
-    moved_rows,
     moves_of,
+    rows_away,
 )
 from fx_vitbal.plan.greedy import refine
 from fx_vitbal.plan.min_move import best_fit, min_move
@@ -58,8 +57,8 @@ INTER_NODE_WEIGHT = 8.0
 def traffic(candidate: Candidate, units: Units, ranks_per_node: int) -> float:
     """What ``solve_plan`` minimizes among plans within the makespan slack: rows moved, an
     inter-node row weighing ``INTER_NODE_WEIGHT`` intra-node ones."""
-    inter = inter_node_rows(candidate, units, ranks_per_node)
-    return moved_rows(candidate, units) + (INTER_NODE_WEIGHT - 1.0) * inter
+    moved, inter = rows_away(candidate, units, ranks_per_node)
+    return moved + (INTER_NODE_WEIGHT - 1.0) * inter
 
 
 def node_min_move(

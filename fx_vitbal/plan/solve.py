@@ -12,7 +12,7 @@ from fx_vitbal.plan.candidates import (
     candidate_from_dest,
     crossing_rows,
     make_plan,
-    moved_rows,
+    rows_away,
 )
 from fx_vitbal.plan.greedy import lpt_assign, lpt_assign_within, refine
 from fx_vitbal.plan.min_move import min_move, room_to_spare, shed_and_place
@@ -174,7 +174,7 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
             zip(pool, seconds, strict=True),
             key=lambda pair: (
                 units.to_float(pair[0].makespan) + pair[1],
-                moved_rows(pair[0], units),
+                rows_away(pair[0], units)[0],
             ),
         )
         if not best.cap_respected and home_keeps_cap:
@@ -188,7 +188,7 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
     def traffic(c: Candidate) -> float:
         if node_aware:
             return nodes.traffic(c, units, ranks_per_node)
-        return moved_rows(c, units)
+        return rows_away(c, units)[0]
 
     return apply(min(pool, key=lambda c: (c.makespan > good_enough, traffic(c))))
 
