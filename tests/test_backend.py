@@ -82,10 +82,10 @@ def _compiled_vs_reference(rank: int, world: int, mode: str, steps=STEPS) -> dic
         _, pixels, grid = make_inputs(steps[0][rank], in_dim=24, seed=rank)
         ahead = fx_vitbal.plan_ahead(run, pixels, grid, group=dist.group.WORLD)
         fx_vitbal.use_plan(run, ahead)
-        with record_collectives() as issued, fullgraph_capture():
+        with record_collectives() as issued, record_moves() as moved, fullgraph_capture():
             got_planned = train_step(run, steps[0][rank], rank, unbacked=unbacked)
         forward = [name for phase, name, _, _ in issued if phase == "forward"]
-        planned = (got_planned, forward, ahead.plan.applied)
+        planned = (got_planned, forward, ahead.plan.applied, moved)
     return {
         "got": got,
         "wanted": wanted,
@@ -117,12 +117,13 @@ def test_inductor_wrapped_model_compiles_once_for_all_image_counts_and_takes_pla
     _check(results)
     assert [res["graphs"] for res in results] == [1, 1]  # the planned step compiled nothing
     for res in results:  # the planned step: the first step's results, no metadata gather
-        (logits, grads), forward, applied = res["planned"]
+        (logits, grads), forward, applied, _ = res["planned"]
         assert applied
         want_logits, want_grads = res["wanted"][0]
         torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(grads, want_grads, rtol=1e-4, atol=1e-5)
         assert forward == ["all_to_all", "all_to_all"], forward
+    assert_units_moved([{"moves": res["planned"][3]} for res in results])  # by the plan ahead
 
 
 @pytest.mark.slow
