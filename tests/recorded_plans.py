@@ -85,7 +85,7 @@ def describe(plan) -> dict:
     """The record of one plan: decision, rows moved, and a digest of everything else."""
     body = json.dumps(
         [
-            plan.assignment,
+            list(plan.assignment),
             [x.hex() for x in plan.loads_before],
             [x.hex() for x in plan.loads_after],
             plan.imbalance_before.hex(),

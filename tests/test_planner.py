@@ -134,6 +134,24 @@ def test_assignment_is_a_sorted_permutation_of_all_units(case):
 
 
 @PROPERTY_SETTINGS
+@given(cases(), st.randoms(use_true_random=False))
+def test_one_ranks_reads_match_the_whole_assignment(case, rng):
+    """A step reads only its own rank's list and destinations, each made on first read: in any
+    order, before or after the whole is built, they are the whole assignment's."""
+    whole = list(plan_of(case).assignment)
+    plan = plan_of(case)
+    ranks = list(range(len(whole)))
+    rng.shuffle(ranks)
+    for rank in ranks:
+        assert plan.assignment[rank] == whole[rank]
+        dest = plan.destinations(rank)
+        assert len(dest) == len(case.costs[rank])
+        assert all((rank, i) in whole[d] for i, d in enumerate(dest))
+    assert plan.assignment[-1] == whole[-1] and plan.assignment[1:] == whole[1:]
+    assert plan.assignment == whole and list(plan.assignment) == whole
+
+
+@PROPERTY_SETTINGS
 @given(cases())
 def test_skipped_plan_is_the_identity_and_reason_is_documented(case):
     plan = plan_of(case)
@@ -801,7 +819,8 @@ def test_any_sequences_of_numbers_give_the_plan_of_lists():
 
 def test_destinations_invert_the_assignment():
     plan = solve_plan([[5.0] * 4, [], [], []], [[5] * 4, [], [], []])
-    dest = plan.destinations([4, 0, 0, 0])
+    dest = [plan.destinations(r) for r in range(4)]
+    assert [len(d) for d in dest] == [4, 0, 0, 0]
     for d, units in enumerate(plan.assignment):
         for src, idx in units:
             assert dest[src][idx] == d

@@ -1,7 +1,8 @@
 """Assign ViT units (images or frames) to data-parallel ranks so every rank gets similar work.
 
-Layers, each importing only those above it in this list: ``units`` (the flat unit tensors, the
-fixed-point costs, the row cap, ``Plan``), ``candidates`` (assignments as the units they move,
+Layers, each importing only those above it in this list: ``assignment`` (a plan's per-rank
+unit lists, each made when first read), ``units`` (the flat unit tensors, the fixed-point costs,
+the row cap, ``Plan``), ``candidates`` (assignments as the units they move,
 and the plan made of one), ``shed`` (which units overloaded ranks shed), ``greedy`` (LPT and
 the refinement), ``min_move`` (best-fit and min-move's attempts), ``nodes`` (node-aware
 min-move), ``solve`` (``solve_plan``: the candidates and the choice).
@@ -28,7 +29,8 @@ Two strategies:
 What runs where: torch ops over the whole input flatten and check it, sum every rank's load and
 rows, find the lower bound, the ranks over the target and the units they shed; Python runs only
 for the units that move and the ranks they touch (best-fit, the refinement), and LPT deals every
-unit in Python when it runs. Plans move few units: a candidate lists only its moves.
+unit in Python when it runs. Plans move few units: a candidate lists only its moves, and a
+plan's per-rank lists are made only for the ranks that read them (a step reads its own).
 
 Both keep a cap on the pixel rows each rank computes (``BalanceConfig.max_len_ratio``); by default
 no rank may end with more rows than the fullest rank holds before balancing, so balancing never

@@ -7,11 +7,12 @@ rebuilt only on the ranks those moves touch: every other rank computes its own u
 
 import operator
 from collections.abc import Sequence
-from itertools import accumulate, compress, repeat
+from itertools import accumulate, compress
 from typing import NamedTuple
 
 import torch
 
+from fx_vitbal.plan.assignment import Assignment
 from fx_vitbal.plan.units import (
     Plan,
     Units,
@@ -121,13 +122,13 @@ def make_plan(
     """The ``Plan`` of ``candidate``.
 
     Every rank's units, grouped by a stable sort of their destinations, come out in ``(src,
-    idx)`` order; their reported float loads are summed afresh in that order, as ``Units`` sums
-    the home ones, so a rank no move touches reports the same bits before and after."""
+    idx)`` order (each rank's list is made when read: ``Assignment``); their reported float
+    loads are summed afresh in that order, as ``Units`` sums the home ones, so a rank no move
+    touches reports the same bits before and after."""
     moved_tokens = inter_node = 0
     if not candidate.moves:
-        counts = units.counts
-        ranks = map(zip, map(repeat, range(units.num_ranks)), map(range, counts))
-        assignment = list(map(list, ranks))
+        starts = units.starts
+        assignment = Assignment(torch.arange(units.num_units), starts, units.src_U, starts)
         loads_after = units.loads_before[:]
         imbalance_after = units.imbalance_before
     else:
@@ -143,14 +144,8 @@ def make_plan(
             sums_R = sums_R + torch.tensor(units.base, dtype=torch.float64)
         loads_after = sums_R.tolist()
         imbalance_after = imbalance_of(float(sums_R.max()), sum(loads_after), units.num_ranks)
-        pairs = zip(
-            units.src_U.index_select(0, order_U).tolist(),
-            units.idx_U.index_select(0, order_U).tolist(),
-            strict=True,
-        )
-        grouped = list(pairs)
         bounds = [0, *accumulate(sizes_R.tolist())]
-        assignment = list(map(grouped.__getitem__, map(slice, bounds, bounds[1:])))
+        assignment = Assignment(order_U, bounds, dest_U, units.starts)
         moved_tokens, inter_node = _rows_away(units, ids, dests, ranks_per_node)
     return Plan(
         assignment=assignment,

@@ -21,16 +21,20 @@ from itertools import accumulate, chain, compress, repeat
 
 import torch
 
+from fx_vitbal.plan.assignment import Assignment
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Which rank computes which unit, and what that is predicted to achieve.
 
     ``assignment[d]`` lists the ``(src_rank, local_idx)`` units computed on rank ``d``, sorted by
-    ``(src_rank, local_idx)`` so received data arrives in plan order without a permutation.
+    ``(src_rank, local_idx)`` so received data arrives in plan order without a permutation. It
+    is an ``Assignment`` (a sequence of those lists, each made when first read); plain lists
+    given here are wrapped in one.
     """
 
-    assignment: list[list[tuple[int, int]]]
+    assignment: Sequence[list[tuple[int, int]]]
     applied: bool
     reason: str
     """``applied``, ``balanced`` (below the trigger), ``no-gain``, ``cap`` (every plan found breaks
@@ -48,13 +52,13 @@ class Plan:
     """Pixel rows computed on another node than their home rank's (nodes of
     ``BalanceConfig.ranks_per_node`` contiguous ranks); 0 when ``ranks_per_node`` is None."""
 
-    def destinations(self, num_units: Sequence[int]) -> list[list[int]]:
-        """``dest[r][i]``: the rank computing unit ``i`` of rank ``r``."""
-        dest = [[r] * n for r, n in enumerate(num_units)]
-        for d, units in enumerate(self.assignment):
-            for src, idx in units:
-                dest[src][idx] = d
-        return dest
+    def __post_init__(self):
+        if not isinstance(self.assignment, Assignment):
+            object.__setattr__(self, "assignment", Assignment.from_lists(self.assignment))
+
+    def destinations(self, rank: int) -> list[int]:
+        """``dest[i]``: the rank computing unit ``i`` of rank ``rank``."""
+        return self.assignment.destinations_of(rank)
 
 
 def imbalance(loads: Sequence[float]) -> float:
@@ -142,11 +146,6 @@ class Units:
     def home_rows(self) -> list[int]:
         return self.home_rows_R.tolist()
 
-    @functools.cached_property
-    def idx_U(self) -> torch.Tensor:
-        """Each unit's index on its home rank."""
-        return torch.arange(self.num_units) - self.starts_R.index_select(0, self.src_U)
-
     # --- fixed point: made only once a plan is needed (skipped steps never pay for it)
 
     @functools.cached_property
@@ -214,12 +213,6 @@ class Units:
     @functools.cached_property
     def src(self) -> list[int]:
         return self.src_U.tolist()
-
-    @functools.cached_property
-    def pairs(self) -> list[tuple[int, int]]:
-        """``(src, idx)`` of each unit: what plans list."""
-        ranks = map(zip, map(repeat, range(self.num_ranks)), map(range, self.counts))
-        return list(chain.from_iterable(ranks))
 
     def by_cost_desc(self) -> list[int]:
         """Unit ids by cost, descending; ties by (src, idx), i.e. by id (the sort is stable)."""

@@ -214,7 +214,7 @@ def local_routing(
     rows if the rank would compute nothing)."""
     world = len(units_R)
     rows_R = [[t * h * w for t, h, w in units] for units in units_R]
-    dest = plan.destinations([len(units) for units in units_R])[rank]
+    dest = plan.destinations(rank)
     send_rows = [0] * world
     for i, d in enumerate(dest):
         send_rows[d] += rows_R[rank][i]
