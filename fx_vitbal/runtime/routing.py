@@ -201,28 +201,32 @@ def routing_size(max_units: int, world_size: int) -> int:
 
 
 def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
-    """A rank's units: its grid rows, or one ``(1, h, w)`` unit per frame."""
+    """A rank's units: its grid rows, or one ``(1, h, w)`` unit per frame (a video's frames share
+    one tuple: every rank splits every rank's grid, each step)."""
     if split_frames:
-        return [(1, h, w) for t, h, w in grid for _ in range(t)]
-    return [(t, h, w) for t, h, w in grid]
+        return [unit for t, h, w in grid for unit in itertools.repeat((1, h, w), t)]
+    return list(map(tuple, grid))
 
 
 def local_routing(
     plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int, merge_size: int = 1
 ) -> Routing:
     """This rank's send/receive layout under ``plan`` (with a dummy unit of ``merge_size**2``
-    rows if the rank would compute nothing)."""
+    rows if the rank would compute nothing). It reads only this rank's units and the units it
+    receives, not every rank's."""
     world = len(units_R)
-    rows_R = [[t * h * w for t, h, w in units] for units in units_R]
+    unit_rows = [t * h * w for t, h, w in units_R[rank]]
     dest = plan.destinations(rank)
     send_rows = [0] * world
-    for i, d in enumerate(dest):
-        send_rows[d] += rows_R[rank][i]
+    for rows, d in zip(unit_rows, dest, strict=True):
+        send_rows[d] += rows
     recv_rows = [0] * world
-    for src, idx in plan.assignment[rank]:
-        recv_rows[src] += rows_R[src][idx]
-    dummy_rows = merge_size**2 if not plan.assignment[rank] else 0
-    return Routing(plan.applied, rows_R[rank], dest, send_rows, recv_rows, dummy_rows)
+    assigned = plan.assignment[rank]
+    for src, idx in assigned:
+        t, h, w = units_R[src][idx]
+        recv_rows[src] += t * h * w
+    dummy_rows = merge_size**2 if not assigned else 0
+    return Routing(plan.applied, unit_rows, dest, send_rows, recv_rows, dummy_rows)
 
 
 def local_only_routing(num_units: int, world_size: int, merge_size: int) -> Routing:
