@@ -6,12 +6,13 @@ the memory cap, history) on inputs small enough to check by eye.
 
 import copy
 import dataclasses
+import functools
 import itertools
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fx_vitbal.config import BalanceConfig
@@ -24,6 +25,7 @@ from fx_vitbal.plan.solve import MAKESPAN_SLACK, solve_plan
 from fx_vitbal.plan.units import Units as _Units
 from fx_vitbal.plan.units import cap_unkeepable as _cap_unkeepable
 from fx_vitbal.plan.units import imbalance
+from fx_vitbal.plan.units import sequential_sums as _sequential_sums
 from fx_vitbal.tools.workloads import sample_batches
 
 REASONS = {"applied", "balanced", "no-gain", "cap", "dominant-unit", "single-rank", "empty"}
@@ -121,6 +123,24 @@ def row_cap(case: Case) -> float:
     if ratio is None:
         return max(map(sum, case.tokens))
     return ratio * sum(map(sum, case.tokens)) / len(case.tokens)
+
+
+# Values whose sums depend on the order they are added in (1e16 + 1.0 == 1e16).
+ORDER_SENSITIVE = st.sampled_from([1e16, 7e15, 1.0, 3.3, 0.1, 1e-8, 0.0, 2.5e-300, 1.7e308])
+
+
+@PROPERTY_SETTINGS
+@given(st.lists(st.lists(ORDER_SENSITIVE, max_size=90), min_size=1, max_size=40))
+@example([[1e16] + [1.0] * 69, [1.0] * 3])  # a group past the padded width
+def test_sequential_sums_add_each_group_in_order_as_a_plain_loop(groups):
+    """The reported loads' bits: each group summed in order from 0.0 (short groups by one
+    cumsum over rows, long ones each by its own), on the torch the suite runs."""
+    sizes_G = torch.tensor([len(g) for g in groups], dtype=torch.int64)
+    values_F = torch.tensor([v for g in groups for v in g], dtype=torch.float64)
+    group_U = torch.repeat_interleave(torch.arange(len(groups)), sizes_G)
+    got = _sequential_sums(values_F, group_U, sizes_G).tolist()
+    want = [functools.reduce(float.__add__, g, 0.0) for g in groups]
+    assert [x.hex() for x in got] == [x.hex() for x in want]
 
 
 @PROPERTY_SETTINGS

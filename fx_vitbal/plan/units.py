@@ -236,15 +236,16 @@ def sequential_sums(values_F: torch.Tensor, group_U: torch.Tensor, sizes_G: torc
     bits depend on nothing but the values. ``group_U`` (non-decreasing) names each value's
     group; ``sizes_G`` are the group sizes.
 
-    Column by column: value ``k`` of every group is added in one elementwise op (IEEE addition,
-    lane by lane), so the work is one op per column, not one Python step per value; columns past
-    ``_COLUMNS`` (a few very long groups) go on in Python.
+    One group per row, zero-padded: ``torch.cumsum`` runs one float64 sum along each row in
+    order (threads split rows, never a row; ``x + 0.0 == x`` for the padding), so its last column
+    is each group's sum, in one op for every group (``test_planner`` checks the bits against a
+    plain loop on every torch the suite runs). Groups longer than ``_COLUMNS`` (a few) would pad
+    every row to their length: each is summed by a cumsum of its own.
     """
     num_groups = len(sizes_G)
     widest = int(sizes_G.max()) if num_groups else 0
-    total = torch.zeros(num_groups, dtype=torch.float64)
     if widest == 0:
-        return total
+        return torch.zeros(num_groups, dtype=torch.float64)
     columns = min(widest, _COLUMNS)
     starts_G = torch.cumsum(sizes_G, 0) - sizes_G
     column_U = torch.arange(len(values_F)) - starts_G.index_select(0, group_U)
@@ -252,20 +253,17 @@ def sequential_sums(values_F: torch.Tensor, group_U: torch.Tensor, sizes_G: torc
     if columns < widest:  # the long groups' first columns only, for now
         inside = column_U < columns
         short_F, short_G, short_U = values_F[inside], group_U[inside], column_U[inside]
-    padded = torch.zeros(columns * num_groups, dtype=torch.float64)
-    padded.index_copy_(0, short_U * num_groups + short_G, short_F)
-    padded = padded.view(columns, num_groups)
-    for k in range(columns):
-        total += padded[k]
-    if columns < widest:  # a few very long groups: summed in Python, in the same order
+    padded = torch.zeros(num_groups * columns, dtype=torch.float64)
+    padded.index_copy_(0, short_G * columns + short_U, short_F)
+    total = padded.view(num_groups, columns).cumsum(1)[:, -1].clone()
+    if columns < widest:  # a few very long groups, each in order on its own
         for g in (sizes_G > _COLUMNS).nonzero().squeeze(1).tolist():
             start, size = int(starts_G[g]), int(sizes_G[g])
-            values = values_F[start : start + size].tolist()
-            total[g] = functools.reduce(float.__add__, values, 0.0)
+            total[g] = values_F[start : start + size].cumsum(0)[-1]
     return total
 
 
-# Columns ``sequential_sums`` adds as tensor ops: past them, groups are few and long.
+# The widest row ``sequential_sums`` pads groups to: past it, groups are few and long.
 _COLUMNS = 64
 
 
