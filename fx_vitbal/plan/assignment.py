@@ -3,7 +3,7 @@ lists rank by rank, on first access.
 
 Why lazy: a rank's step reads only its own list (what it receives, in order) and its own units'
 destinations (where it sends them). Building every rank's list costs one tuple per unit on every
-rank: 0.8 ms at 2048 ranks with one image each, a third of the seed's whole solve there, for
+rank: 0.8 ms at 2048 ranks with one image each, over a quarter of the seed's whole solve there, for
 lists no rank reads but one. Iterating or comparing the whole assignment builds every list once.
 
 Shape suffixes: ``_A`` one entry per unit in assignment order (grouped by the rank computing
