@@ -24,13 +24,20 @@ class Assignment(Sequence):
         ids_A: unit ids (``starts[src] + idx``) grouped by the rank computing them.
         bounds: rank ``d``'s units are ``ids_A[bounds[d]:bounds[d + 1]]``.
         dest_U: the rank computing each unit id.
+        src_U: each unit id's home rank (``Units.src_U``).
         starts: rank ``r``'s unit ids are ``starts[r]`` to ``starts[r + 1] - 1``.
     """
 
     def __init__(
-        self, ids_A: torch.Tensor, bounds: list[int], dest_U: torch.Tensor, starts: list[int]
+        self,
+        ids_A: torch.Tensor,
+        bounds: list[int],
+        dest_U: torch.Tensor,
+        src_U: torch.Tensor,
+        starts: list[int],
     ):
-        self._ids_A, self._bounds, self._dest_U, self._starts = ids_A, bounds, dest_U, starts
+        self._ids_A, self._bounds, self._dest_U = ids_A, bounds, dest_U
+        self._src_U, self._starts = src_U, starts
         self._lists: dict[int, list[tuple[int, int]]] = {}
         self._every: list[list[tuple[int, int]]] | None = None
 
@@ -49,7 +56,8 @@ class Assignment(Sequence):
                 dest[starts[src] + idx] = d
         bounds = [0, *accumulate(map(len, lists))]
         ids_A, dest_U = torch.tensor(ids, dtype=torch.int64), torch.tensor(dest, dtype=torch.int64)
-        assignment = cls(ids_A, bounds, dest_U, starts)
+        src_U = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor(counts))
+        assignment = cls(ids_A, bounds, dest_U, src_U, starts)
         assignment._every = [list(units) for units in lists]
         return assignment
 
@@ -87,10 +95,9 @@ class Assignment(Sequence):
     def _all(self) -> list[list[tuple[int, int]]]:
         """Every rank's list, made by tensor ops and one pass in C."""
         if self._every is None:
-            counts = torch.tensor(self._starts, dtype=torch.int64).diff()
-            starts = torch.tensor(self._starts[:-1], dtype=torch.int64)
-            src_A = torch.repeat_interleave(torch.arange(len(counts)), counts)[self._ids_A]
-            idx_A = self._ids_A - starts[src_A]
+            src_A = self._src_U.index_select(0, self._ids_A)
+            starts = torch.tensor(self._starts, dtype=torch.int64)
+            idx_A = self._ids_A - starts.index_select(0, src_A)
             pairs = list(zip(src_A.tolist(), idx_A.tolist(), strict=True))
             bounds = self._bounds
             self._every = list(map(pairs.__getitem__, map(slice, bounds, bounds[1:])))

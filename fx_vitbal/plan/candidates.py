@@ -128,7 +128,8 @@ def make_plan(
     moved_tokens = inter_node = 0
     if not candidate.moves:
         starts = units.starts
-        assignment = Assignment(torch.arange(units.num_units), starts, units.src_U, starts)
+        ids = torch.arange(units.num_units)
+        assignment = Assignment(ids, starts, units.src_U, units.src_U, starts)
         loads_after = units.loads_before[:]
         imbalance_after = units.imbalance_before
     else:
@@ -145,7 +146,7 @@ def make_plan(
         loads_after = sums_R.tolist()
         imbalance_after = imbalance_of(float(sums_R.max()), sum(loads_after), units.num_ranks)
         bounds = [0, *accumulate(sizes_R.tolist())]
-        assignment = Assignment(order_U, bounds, dest_U, units.starts)
+        assignment = Assignment(order_U, bounds, dest_U, units.src_U, units.starts)
         moved_tokens, inter_node = _rows_away(units, ids, dests, ranks_per_node)
     return Plan(
         assignment=assignment,
