@@ -1,8 +1,9 @@
-"""Every difference between the torch versions fx_vitbal supports (2.8 through 2.14), and
+"""Every difference between the torch versions fx_vitbal supports (2.8 through 2.15), and
 nothing else: the rest of the package calls these names and never checks a version."""
 
 import torch
 import torch._dynamo
+import torch._inductor.config
 import torch.distributed as dist
 
 # (major, minor): NVIDIA's container builds (``2.13.0a0+...``) have their release's features.
@@ -31,3 +32,21 @@ def keep_nested_compile_regions() -> None:
     did and the setting does not exist."""
     if hasattr(torch._dynamo.config, "inline_single_use_invoke_subgraph"):
         torch._dynamo.config.inline_single_use_invoke_subgraph = False
+
+
+# Ops with this tag are kept out of CUDA graphs by inductor's graph partitioning
+# (``mode="reduce-overhead"``): the balancing ops' sizes and collectives change every step, so a
+# replay would reuse the recorded split sizes and skip the status checks. Every supported torch
+# has the tag; the guard keeps a build without it importable.
+CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+# Inductor settings a graph holding balancing ops needs, applied by the ``vitbal`` backend to its
+# inner inductor compile. Triton's mix-order reduction (a fusion heuristic, on by default where
+# it exists) asks for a size hint of the balanced batch's unbacked row count and fails with
+# "Cannot convert symbols to int" (seen on torch 2.11 + CUDA). No later torch has run on a GPU
+# here yet, so it is off wherever the setting exists; it only touches Triton (GPU) kernels.
+INDUCTOR_CONFIG_PATCHES = (
+    {"triton.mix_order_reduction": False}
+    if hasattr(torch._inductor.config.triton, "mix_order_reduction")
+    else {}
+)

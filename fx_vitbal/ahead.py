@@ -97,8 +97,8 @@ def plan_ahead(
     elif pixel_values_videos is not None or video_grid_thw is not None:
         raise TypeError("videos are planned apart only for Hugging Face VLMs; pass them as pixels")
     if pixel_values is None:  # the stand-ins the step uses for a rank without images
-        pixel_values = torch.empty(0, 0)
-        image_grid_thw = torch.empty(0, 3, dtype=torch.long)
+        pixel_values = torch.empty(0, 0, device="cpu")
+        image_grid_thw = torch.empty(0, 3, dtype=torch.long, device="cpu")
     planner, merge = settings
     grid, routing, solved = solve_for_rank(
         pixel_values, image_grid_thw, merge, planner, group, module_key=layout_token(module)

@@ -157,3 +157,30 @@ def test_unbalanced_vit_through_the_vitbal_backend_is_refused(how):
 
 def test_vitbal_backend_is_registered_through_the_entry_point():
     assert "vitbal" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_inductor_compiles_balancing_ops_with_the_settings_this_torch_needs(monkeypatch):
+    # One rank is enough: the pass is given the group and world size, so the graph holds the ops.
+    model = OmniEncoderModel(ViTConfig(), LMConfig(num_layers=1))
+    gm = apply_vit_balance_pass(symbolic_trace(model), group_name="0", world_size=2)
+    seen = {}
+
+    def inner(name):
+        def compile_fn(gm, example_inputs, **kwargs):
+            seen[name] = kwargs
+            return gm
+
+        return compile_fn
+
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", inner)
+    make_vitbal_backend(inner="inductor")(gm, [])
+    assert seen["inductor"] == {"config_patches": _compat.INDUCTOR_CONFIG_PATCHES}
+    if hasattr(torch._inductor.config.triton, "mix_order_reduction"):  # torch 2.11's failure
+        assert _compat.INDUCTOR_CONFIG_PATCHES == {"triton.mix_order_reduction": False}
+    # A user's own inductor options win; other inner backends get theirs untouched.
+    options = {"inner": "inductor", "triton.mix_order_reduction": True, "max_autotune": True}
+    fx_vitbal.passes.backend.vitbal_backend(gm, [], options=options)
+    assert seen["inductor"]["config_patches"]["triton.mix_order_reduction"] is True
+    assert seen["inductor"]["config_patches"]["max_autotune"] is True
+    make_vitbal_backend(inner="aot_eager")(gm, [])
+    assert seen["aot_eager"] == {}

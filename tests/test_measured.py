@@ -368,7 +368,8 @@ class _Event:
     def __init__(self, enable_timing: bool) -> None:
         assert enable_timing
 
-    def record(self) -> None:
+    def record(self, stream) -> None:
+        assert stream == ("stream of", torch.device("cuda", 1)), stream  # the data's device
         _Event.clock += 1.0
         self.at = _Event.clock
 
@@ -385,11 +386,13 @@ def test_a_cuda_clock_reports_a_call_only_once_its_events_completed(monkeypatch)
     from fx_vitbal.plan.units import Plan
 
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    # The current device is cuda:0; the ViT's data lives on cuda:1: its stream must be marked.
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
     state = Measurements(OnlineCost(prior=QuadraticCost()))
     plan = Plan([[(0, 0)], [(1, 0)]], False, "balanced", [1.0, 1.0], [1.0, 1.0], 0.0, 0.0, 0)
     _, clock = state.begin(plan, [[(1, 2, 2)], [(1, 2, 2)]], 2)
     vit = nn.Linear(1, 1)
-    clock.forward_started(torch.device("cuda", 0))  # the ViT's device: records at 1 ms
+    clock.forward_started(torch.device("cuda", 1))  # the ViT's device: records at 1 ms
     output = vit(torch.ones(1))
     clock.forward_ended([output], torch.ones(1), watch_parameters(vit))  # 2 ms
     output.sum().backward()  # backward from 3 ms to 4 ms
@@ -405,13 +408,14 @@ def test_the_clock_times_the_pixels_exchange_only():
     from fx_vitbal.measure.clock import StepClock
 
     clock = StepClock(1)
-    timed = [clock.timing_exchange(reverse=False)]  # redistribute: pixels out
+    timed = [clock.timing_exchange(False, torch.device("cpu"))]  # redistribute: pixels out
     clock.forward_started(torch.device("cpu"))
     output = nn.Linear(1, 1)(torch.ones(1))
     clock.forward_ended([output], torch.ones(1), None)
     # The outputs' exchange follows the ViT, whose imbalance it would absorb as waiting.
-    timed.append(clock.timing_exchange(reverse=True))  # restore: outputs home
-    timed.append(clock.timing_exchange(reverse=False))  # restore's backward: gradients out
+    timed.append(clock.timing_exchange(True, torch.device("cpu")))  # restore: outputs home
+    # restore's backward: gradients out
+    timed.append(clock.timing_exchange(False, torch.device("cpu")))
     assert timed == [True, False, False]
 
 
@@ -445,3 +449,13 @@ def test_an_online_fit_reset_on_one_rank_raises_the_same_error_on_every_rank():
     assert "on the calls measured" in results[0]["error"]
     assert results[0]["after"] == results[1]["after"] and len(results[0]["after"]) == 2
     assert "applied" in results[0]["after"]  # balanced again, in lockstep
+
+
+def test_a_cuda_clock_marks_the_pixels_exchange_on_the_datas_device(monkeypatch):
+    from fx_vitbal.measure.clock import StepClock
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    clock = StepClock(1)
+    assert clock.timing_exchange(False, torch.device("cuda", 1))  # redistribute: pixels out
+    assert isinstance(clock.mark(), _Event)  # recorded on cuda:1's stream (``_Event.record``)

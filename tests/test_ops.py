@@ -64,3 +64,11 @@ def test_every_vitbal_op_passes_opcheck_on_two_ranks():
             "vitbal.restore.default",
         ]
     )
+
+
+def test_every_op_is_kept_out_of_cuda_graphs():
+    # Inductor's graph partitioning (mode="reduce-overhead") splits out ops with this tag; a
+    # captured move would replay its recorded split sizes and skip the status checks.
+    assert torch.Tag.cudagraph_unsafe in fx_vitbal._compat.CUDAGRAPH_UNSAFE
+    for op in (torch.ops.vitbal.plan, torch.ops.vitbal.redistribute, torch.ops.vitbal.restore):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags, op

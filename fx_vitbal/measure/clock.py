@@ -22,8 +22,9 @@ Where the marks are taken (eager and in-place paths; ``call.run_balanced``):
   absorb as waiting, so it is predicted from its bytes instead.
 
 On the CPU the marks are ``time.perf_counter_ns()``; on CUDA they are events recorded on the
-current stream, read only once both have completed (``Event.query()``, no sync): a step whose
-events have not completed when the next plan is made is reported later or not at all.
+current stream of the device the data lives on (not the current device's), read only once both
+have completed (``Event.query()``, no sync): a step whose events have not completed when the
+next plan is made is reported later or not at all.
 """
 
 import time
@@ -42,6 +43,7 @@ class StepClock:
         self.step = step
         self.siblings = siblings
         """The other calls' clocks of the same ViT: their hooks go when this call starts."""
+        self.device = torch.device("cpu")
         self.cuda = False
         self.phase = PLANNED
         self.marks: dict[str, object] = {}
@@ -54,10 +56,14 @@ class StepClock:
         self._watch: ParameterWatch | None = None
         self._without_backward = False
 
+    def at(self, device: torch.device) -> None:
+        """Take the next marks on ``device``'s clock (its current stream, on CUDA)."""
+        self.device, self.cuda = device, device.type == "cuda"
+
     def mark(self) -> object:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         return time.perf_counter_ns()
 
@@ -72,7 +78,7 @@ class StepClock:
         for other in list(self.siblings):
             if other is not self:
                 other.release()
-        self.cuda = device.type == "cuda"
+        self.at(device)
         self.phase = FORWARD
         self.marks["forward"] = self.mark()
 
@@ -107,7 +113,8 @@ class StepClock:
         if self.phase != BACKWARD or torch._C._current_graph_task_id() != self._task:
             return
         if self.cuda:  # one event, recorded again at each gradient: no event per parameter
-            self.marks.setdefault("backward_end", torch.cuda.Event(enable_timing=True)).record()
+            event = self.marks.setdefault("backward_end", torch.cuda.Event(enable_timing=True))
+            event.record(torch.cuda.current_stream(self.device))
         else:
             self.marks["backward_end"] = time.perf_counter_ns()
 
@@ -125,9 +132,13 @@ class StepClock:
         if self._watch is not None and self._watch.clock is self:
             self._watch.clock = None
 
-    def timing_exchange(self, reverse: bool) -> bool:
-        """Whether a move now is the exchange this clock times: pixels out, before the ViT."""
-        return not reverse and self.phase == PLANNED
+    def timing_exchange(self, reverse: bool, device: torch.device) -> bool:
+        """Whether a move now, of tensors on ``device``, is the exchange this clock times:
+        pixels out, before the ViT (then its marks are taken on ``device``)."""
+        timed = not reverse and self.phase == PLANNED
+        if timed:
+            self.at(device)
+        return timed
 
     def add_exchange(self, start: object, end: object, num_bytes: int) -> None:
         self.exchanges.append((start, end))

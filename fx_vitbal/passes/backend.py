@@ -25,6 +25,7 @@ import re
 import torch
 from torch import fx
 
+from fx_vitbal import _compat
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.passes.vit_balance import apply_vit_balance_pass
 from fx_vitbal.runtime.vits import entry_points, registered_vision_encoders
@@ -70,7 +71,10 @@ def vitbal_backend(
     """``torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})``.
 
     ``options`` may carry ``inner``, ``config``, ``group`` and ``vit`` (the ViT module, needed to
-    balance a ViT marked with ``nested_compile_region``); the rest goes to the inner backend.
+    balance a ViT marked with ``nested_compile_region``); the rest goes to the inner backend (for
+    inductor, as config patches). A graph with balancing ops compiled by inductor gets the
+    settings this torch needs for them (``_compat.INDUCTOR_CONFIG_PATCHES``), unless the options
+    say otherwise.
 
     Raises:
         RuntimeError: the graph holds balancing ops but cannot compile them (see module doc).
@@ -89,7 +93,12 @@ def vitbal_backend(
         _refuse_unbalanced_vit(gm)
     log.debug("vitbal backend: %d balancing op(s) traced, %d inserted", before, added)
     compile_fn = torch._dynamo.lookup_backend(inner)
-    if options:
+    if inner == "inductor":  # its options are config patches, with what balancing needs first
+        needed = _compat.INDUCTOR_CONFIG_PATCHES if before + added else {}
+        options = {**needed, **kwargs.pop("config_patches", {}), **options}
+        if options:
+            kwargs["config_patches"] = options
+    elif options:
         kwargs["options"] = options
     return compile_fn(gm, example_inputs, **kwargs)
 

@@ -126,7 +126,7 @@ def _without_images(run, pixel_values, route, area, grad):
         return None, None
     dummy = torch.zeros(area, route.row_numel, dtype=route.dtype, device=pixel_values.device)
     side = math.isqrt(area)
-    grid = transfer.to_device(torch.tensor([[1, side, side]]), pixel_values.device)
+    grid = transfer.to_device(torch.tensor([[1, side, side]], device="cpu"), pixel_values.device)
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
         outputs, extra = run(dummy, grid)
     return [o[:0] for o in outputs], extra

@@ -132,7 +132,9 @@ def step_outputs(
     if same and transfer.on_host(grid_thw):
         mismatched = grid_thw.tolist() != planned.batch[3]  # a host read: waits for nothing
     elif same:  # compared where the grid lives; the verdict joins the status word
-        want = transfer.to_device(torch.tensor(planned.batch[3]), grid_thw.device)
+        # ``view``: a rank without images planned ``[]``, which must compare as ``[0, 3]``.
+        want = torch.tensor(planned.batch[3], dtype=torch.int64, device="cpu").view(-1, 3)
+        want = transfer.to_device(want, grid_thw.device)
         status.flag_not_as_planned(group.group_name, route.step, (grid_thw != want).any())
     units = max(max_units, len(route.unit_rows))  # only a batch that differs needs more
     if not mismatched and planned.routing.numel() == routing_size(units, len(step_ranks)):

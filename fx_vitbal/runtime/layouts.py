@@ -46,7 +46,7 @@ def check_output_layouts(
     header += [0] * (1 + 3 * MAX_OUTPUTS - len(header))
     device = collectives.meta_device(group, xs[0].device)
     gathered = torch.empty(world * len(header), dtype=torch.int64, device=device)
-    local = transfer.to_device(torch.tensor(header, dtype=torch.int64), device)
+    local = transfer.to_device(torch.tensor(header, dtype=torch.int64, device="cpu"), device)
     collectives.all_gather(gathered, local, group)
     headers = gathered.view(world, len(header)).tolist()
     problems = []

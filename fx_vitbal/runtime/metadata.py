@@ -124,7 +124,7 @@ def gather_grids(
     else:
         inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
         values = [status, arg0, arg1, *fields, *sum(inline, [])]
-        local = transfer.to_device(torch.tensor(values, dtype=torch.int64), device)
+        local = transfer.to_device(torch.tensor(values, dtype=torch.int64, device="cpu"), device)
     gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
     collectives.all_gather(gathered, local, group)
     values = gathered.view(world, local.numel()).tolist()  # the step's one host read
@@ -147,8 +147,8 @@ def gather_grids(
         padded = grid_thw.new_zeros(max_rows, 3, dtype=torch.int64)
         padded[: grid_thw.shape[0]] = grid_thw
     else:
-        padded = torch.zeros(max_rows, 3, dtype=torch.int64)
-        padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+        padded = torch.zeros(max_rows, 3, dtype=torch.int64, device="cpu")
+        padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64, device="cpu").view(-1, 3)
         padded = transfer.to_device(padded, device)
     grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
     collectives.all_gather(grids_R, padded.flatten(), group)
@@ -215,19 +215,20 @@ def _device_header(pixel_values, grid_thw, merge_size, fields) -> torch.Tensor:
     nonpositive = (padded <= 0).any(1)
     bad = nonpositive | (padded[:, 1:] % merge_size != 0).any(1)
     first = torch.where(bad, torch.arange(n + 1, device=grid.device), n).min()
+    # Indexed by a one-element tensor: a 0-d index is read on the host (ATen's ``.item()``).
+    at_first = first.view(1)
     total = grid.prod(1).sum()
-    any_bad, first_nonpositive = first < n, nonpositive[first]
+    any_bad, first_nonpositive = first < n, nonpositive.index_select(0, at_first)[0]
     status = torch.where(
         any_bad, torch.where(first_nonpositive, 5, 6), torch.where(total != rows, 7, 0)
     )
     arg0 = torch.where(any_bad, first, rows)
-    arg1 = torch.where(
-        any_bad, torch.where(first_nonpositive, padded[first].min(), merge_size), total
-    )
+    smallest = padded.index_select(0, at_first).min()
+    arg1 = torch.where(any_bad, torch.where(first_nonpositive, smallest, merge_size), total)
     inline = grid.new_zeros(INLINE_GRID_ROWS, 3)
     inline[: min(n, INLINE_GRID_ROWS)] = grid[:INLINE_GRID_ROWS]
     inline = inline * (status == 0)  # a bad grid sends no rows
-    host = transfer.to_device(torch.tensor(fields, dtype=torch.int64), grid.device)
+    host = transfer.to_device(torch.tensor(fields, dtype=torch.int64, device="cpu"), grid.device)
     return torch.cat([torch.stack([status, arg0, arg1]).to(torch.int64), host, inline.flatten()])
 
 

@@ -18,12 +18,16 @@ Conventions (each one fixes a failure seen on torch 2.13):
   with ``AssertionError: u8 not in {...}``). Order is already fixed by data: ``plan`` feeds
   ``routing`` to both moves, ``restore`` consumes the ViT's output, and every output is used.
 - Each move's backward is the opposite move (``redistribute`` <-> ``restore``).
+- Tagged ``cudagraph_unsafe``: with ``mode="reduce-overhead"`` inductor's graph partitioning
+  runs them outside CUDA graphs, since a replay would reuse recorded split sizes (rows to the
+  wrong rank, or a hang) and skip the host-side checks.
 """
 
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.measure.stats import publish
 from fx_vitbal.runtime import status, transfer
 from fx_vitbal.runtime.collectives import group_ranks, resolve_group
@@ -38,7 +42,7 @@ from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.rows import as_blocks, from_blocks, row_numel, with_dummy
 
 
-@torch.library.custom_op("vitbal::redistribute", mutates_args=())
+@torch.library.custom_op("vitbal::redistribute", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def redistribute(
     xs: list[torch.Tensor],
     routing: torch.Tensor,
@@ -66,7 +70,7 @@ def redistribute(
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     if route.applied:
         clock = getattr(routing, "_vitbal_clock", None)
-        timed = clock is not None and clock.timing_exchange(reverse=False)
+        timed = clock is not None and clock.timing_exchange(False, xs[0].device)
         start = clock.mark() if timed else None
         blocks_xs, _ = exchange(blocks_xs, route, merge_area, False, resolve_group(group_name))
         if timed:  # --- the pixels' exchange, timed (fx_vitbal.measure.clock)
@@ -104,7 +108,7 @@ def _(xs, routing, merge_area, block_rows, out_rows, group_name, check_status=Fa
     return [x.new_empty(rows, *x.shape[1:]) for x in xs]
 
 
-@torch.library.custom_op("vitbal::restore", mutates_args=())
+@torch.library.custom_op("vitbal::restore", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def restore(
     xs: list[torch.Tensor],
     routing: torch.Tensor,
@@ -126,7 +130,8 @@ def restore(
     checks them first. Otherwise nothing waits: each rank compares its outputs with the agreed
     layouts on the host, sends zeros of those sizes if they differ, and its status word rides
     in the same exchange (``runtime.status``); the words are read in this op's backward, or at
-    its end with ``check_now`` (no backward will come). ``redistribute``'s backward passes
+    its end with ``check_now`` when no backward will come and they are on the host (on a device
+    the next call reads them: ``no_backward_will_come``). ``redistribute``'s backward passes
     ``check_layouts=False``: autograd gives the gradients the shapes and dtypes of
     ``redistribute``'s outputs, so on every rank they are the rows the forward exchange already
     moved, in the layout it moved them.
@@ -162,7 +167,7 @@ def restore(
         clock = getattr(routing, "_vitbal_clock", None)
         if clock is not None:
             clock.output_bytes_per_row = _bytes_per_pixel_row(xs, block_rows, merge_area)
-        if check_now:
+        if check_now and transfer.on_host(words_R):  # on a device: the next call's read
             status.check(group_name, route.step)
         publish(route.step)  # the step's last forward collective is done
         if unsound:  # raised later, on every rank: zeros meanwhile
@@ -184,7 +189,11 @@ def _not_as_planned(word, route: Routing, grid_differs):
 
 def no_backward_will_come(outputs: list[torch.Tensor]) -> bool:
     """No backward will read the status words of these ViT outputs' restore (gradients off,
-    or no output requires one): ``restore`` must read them itself (its ``check_now``)."""
+    or no output requires one): ``restore`` reads them itself (its ``check_now``) when they are
+    on the host. Words on a device are read by the group's next balanced call instead, as a
+    step whose backward never ran: reading them at once would block the host until the ViT and
+    the exchange finish, on every eval or no-grad call. A rank whose own outputs were unsound
+    returns zeros meanwhile, and every rank raises at that next call."""
     return not (torch.is_grad_enabled() and any(o.requires_grad for o in outputs))
 
 

@@ -14,6 +14,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.cost.static import CostModel
 from fx_vitbal.measure.measurements import measurements_for
 from fx_vitbal.measure.stats import defer, publish
@@ -35,7 +36,7 @@ from fx_vitbal.runtime.rows import DTYPES
 from fx_vitbal.runtime.settings import parse_planner_spec
 
 
-@torch.library.custom_op("vitbal::plan", mutates_args=())
+@torch.library.custom_op("vitbal::plan", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def plan(
     pixel_values: torch.Tensor,
     grid_thw: torch.Tensor,
@@ -141,7 +142,9 @@ def solve_for_rank(
     rows = balanced_grid(solved, units_R, rank, merge_size)
     if not solved.applied:  # the original batch (as gathered: no device read), or the dummy
         rows = gathered.grids_R[rank] or rows
-    grid = transfer.to_device(torch.tensor(rows, dtype=grid_thw.dtype), grid_thw.device)
+    grid = transfer.to_device(
+        torch.tensor(rows, dtype=grid_thw.dtype, device="cpu"), grid_thw.device
+    )
     routing = routing.to_tensor(max_units(pixel_values.shape[0], merge_size))
     routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
     defer(call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model))

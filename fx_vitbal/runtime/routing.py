@@ -85,7 +85,7 @@ class Routing:
         padding = routing_size(max_units, len(self.send_rows)) - len(values)
         if padding < 0:
             raise ValueError(f"{len(self.unit_rows)} units do not fit in max_units={max_units}")
-        return torch.tensor(values + [0] * padding, dtype=torch.int64)
+        return torch.tensor(values + [0] * padding, dtype=torch.int64, device="cpu")
 
     def repacked(self, routing: torch.Tensor, max_units: int | None = None, **changes):
         """This routing with ``changes`` made, packed for ``max_units`` (default: the size of
@@ -191,7 +191,7 @@ def local_outputs(
     routing = route.to_tensor(max_units(pixel_values.shape[0], merge_size))
     if grid_thw.shape[0]:
         return grid_thw.clone(), routing
-    dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype)
+    dummy = torch.tensor([[1, merge_size, merge_size]], dtype=grid_thw.dtype, device="cpu")
     return transfer.to_device(dummy, grid_thw.device), routing
 
 

@@ -28,7 +28,7 @@ OK, ROWS, LAYOUT, COUNT, NOT_AS_PLANNED = range(5)
 
 def word(kind: int = OK, index: int = 0, value: int = 0) -> torch.Tensor:
     """One rank's status word (a CPU tensor)."""
-    return torch.tensor([kind | index << 8, value], dtype=torch.int64)
+    return torch.tensor([kind | index << 8, value], dtype=torch.int64, device="cpu")
 
 
 def kind(word: torch.Tensor) -> int:
