@@ -170,9 +170,15 @@ def _reading(simulation: _Simulation, name: str, original):
 
 
 @contextlib.contextmanager
-def simulated_accelerator():
+def simulated_accelerator(compiled: bool = False):
     """Yield the simulation: ``.record`` (``syncs``, ``waits``, ``collectives``, ``copies``) for
-    what runs inside, ``.on_accelerator(tensor)`` to place a test's input on the device."""
+    what runs inside, ``.on_accelerator(tensor)`` to place a test's input on the device.
+
+    ``compiled``: the step runs graphs compiled beforehand. Dynamo runs a compiled frame eagerly
+    while a ``TorchDispatchMode`` is active, so then the mode follows only the ``vitbal`` ops'
+    bodies, entered from their kernels: all of the library a compiled graph runs (the
+    Python-level reads are counted either way).
+    """
     simulation = _Simulation()
     record = simulation.record
     patched = [
@@ -216,9 +222,25 @@ def simulated_accelerator():
     collectives.all_gather, collectives.all_to_all = gather, exchange
     for name in _READS:
         setattr(torch.Tensor, name, _reading(simulation, name, getattr(torch.Tensor, name)))
+    kernels = {op: op._backend_fns[None] for op in (planning.plan, ops.redistribute, ops.restore)}
+    if compiled:
+        for op, kernel in kernels.items():
+            op._backend_fns[None] = _followed(simulation, kernel)
     try:
-        with simulation:
+        with contextlib.nullcontext() if compiled else simulation:
             yield simulation
     finally:
         for (owner, name), original in zip(patched, saved, strict=True):
             setattr(owner, name, original)
+        for op, kernel in kernels.items():
+            op._backend_fns[None] = kernel
+
+
+def _followed(simulation: _Simulation, kernel):
+    """A custom op's kernel that runs under ``simulation``."""
+
+    def run(*args, **kwargs):
+        with simulation:
+            return kernel(*args, **kwargs)
+
+    return run
