@@ -12,7 +12,8 @@ subprocess of its own with a time limit: a hang dumps every thread's stack
 section, so every later table still prints. Each section gets a share of the time left; one
 that finds its time spent stops adding work (its rows say SKIP and why).
 
-Sections, in order (``benchmarks/gpu_sections.py``, ``benchmarks/gpu_timing.py``):
+Sections, in order (``benchmarks/gpu_sections.py``, ``gpu_timing.py``; ``gpu_harness.py`` runs
+the ranks):
 1. ranks: three ranks as threads on the one device (torch's threaded process group: NCCL
    refuses two ranks on one GPU, gloo has no CUDA all_to_all), eager paths and edge cases;
 2. compiled: the same ranks compiled through the ``vitbal`` backend (inductor on CUDA,
@@ -72,7 +73,9 @@ def run_section(name: str, seconds: float, args, results: pathlib.Path) -> list[
     started = time.monotonic()
     try:
         code = subprocess.run(command, timeout=seconds + GRACE_S, cwd=ROOT).returncode
-        problem = f"exit status {code} (traceback or stack dump above)" if code else ""
+        problem = f"exit status {code} (traceback above)" if code else ""
+        if code and time.monotonic() - started >= seconds:
+            problem = f"hit its {seconds:.0f} s limit (every thread's stack above)"
     except subprocess.TimeoutExpired:
         problem = f"killed after {time.monotonic() - started:.0f} s (hung past its own limit)"
     rows = [json.loads(line) for line in results.read_text().splitlines()]
@@ -129,7 +132,8 @@ def child(args) -> int:
     """One section, in this process: its tables on stdout, its result rows in ``--results``."""
     faulthandler.enable()
     faulthandler.dump_traceback_later(args.limit_s, exit=True)  # a hang: every stack, then out
-    import gpu_sections  # after the watchdog: importing torch may be what hangs
+    import gpu_harness  # after the watchdog: importing torch may be what hangs
+    import gpu_sections
     import gpu_timing
 
     def record(name: str, status: str, note: str = "") -> None:
@@ -137,7 +141,7 @@ def child(args) -> int:
         with open(args.results, "a") as file:
             file.write(line + "\n")
 
-    ctx = gpu_sections.Context.make(args, record)
+    ctx = gpu_harness.Context.make(args, record)
     try:
         {**gpu_sections.SECTIONS, **gpu_timing.SECTIONS}[args.section](ctx)
     except Exception as error:  # noqa: BLE001  (the section's row says it; the rest still runs)

@@ -14,7 +14,7 @@ import statistics
 import time
 
 import torch
-from gpu_sections import Context, plain_vit, run_ranks
+from gpu_harness import Context, plain_vit, run_ranks
 
 import fx_vitbal
 from fx_vitbal.config import BalanceConfig
