@@ -38,7 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's package, installed or not
 
 # Section -> its share of the time left when it starts (the cheap several-ranks section first).
-SECTIONS = {"ranks": 0.13, "compiled": 0.4, "profile": 0.14, "cudagraphs": 0.2, "cost": 0.13}
+SECTIONS = {"ranks": 0.15, "compiled": 0.4, "profile": 0.14, "cudagraphs": 0.19, "cost": 0.12}
 MIN_SECTION_S = 20.0  # less than this left: the section is skipped, not started
 GRACE_S = 30.0  # the parent's limit over the child's own (its start-up, the stack dump)
 
@@ -49,7 +49,8 @@ def print_versions() -> bool:
     import torch
 
     cuda = torch.cuda.is_available()
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "n/a"
+    nccl = torch.cuda.nccl.version() if cuda else "n/a"  # (major, minor, patch); an int before
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
     try:
         import triton
 
