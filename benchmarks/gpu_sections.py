@@ -122,6 +122,7 @@ def ranks_section(ctx: Context) -> None:
               f"{event_waits} | {'PASS' if ok else '**FAIL**'} |")  # fmt: skip
         note = f"match {close}, {sent} units sent, syncs {waits.check(per_step, path.syncs)}"
         ctx.record(name, "PASS" if ok else "FAIL", note)
+    print()
 
 
 def balanced_and_reference(how: str, base) -> tuple:
