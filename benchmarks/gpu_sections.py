@@ -220,15 +220,7 @@ def cudagraphs_section(ctx: Context) -> None:
         ctx.record("cudagraphs/reduce_overhead", "SKIP", "CUDA graphs need a CUDA device")
         return
     path = CompiledPath("reduce_overhead", fx=False, cudagraphs=True)
-    status = run_compiled(ctx, "cudagraphs", [path], {"mode": "reduce-overhead"}, "inductor")
-    if "unexpected keyword argument" in status.get(path.name, ""):
-        # The backend could not take the mode (it handed it to inductor's compile_fx): still
-        # check the ops under CUDA graphs, with inductor's own switch for them.
-        print("The backend refused mode=\"reduce-overhead\"; again with inductor's "
-              "triton.cudagraphs = True:\n")  # fmt: skip
-        torch._inductor.config.triton.cudagraphs = True
-        path = CompiledPath("triton_cudagraphs", fx=False, cudagraphs=True)
-        run_compiled(ctx, "cudagraphs", [path], {"options": {"inner": "inductor"}}, "inductor")
+    run_compiled(ctx, "cudagraphs", [path], {"mode": "reduce-overhead"}, "inductor")
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     print(f"Graphs that CUDA graphs skipped (inductor's cudagraph_skips counter): {skips}.\n")
 

@@ -184,3 +184,6 @@ def test_inductor_compiles_balancing_ops_with_the_settings_this_torch_needs(monk
     assert seen["inductor"]["config_patches"]["max_autotune"] is True
     make_vitbal_backend(inner="aot_eager")(gm, [])
     assert seen["aot_eager"] == {}
+    # torch.compile(..., backend="vitbal", mode="reduce-overhead") hands the backend its mode.
+    make_vitbal_backend(inner="inductor")(gm, [], mode="reduce-overhead")
+    assert seen["inductor"]["config_patches"]["triton.cudagraphs"] is True

@@ -72,7 +72,8 @@ def vitbal_backend(
 
     ``options`` may carry ``inner``, ``config``, ``group`` and ``vit`` (the ViT module, needed to
     balance a ViT marked with ``nested_compile_region``); the rest goes to the inner backend (for
-    inductor, as config patches). A graph with balancing ops compiled by inductor gets the
+    inductor, as config patches, with ``torch.compile``'s ``mode``: ``mode="reduce-overhead"``
+    is ``triton.cudagraphs``). A graph with balancing ops compiled by inductor gets the
     settings this torch needs for them (``_compat.INDUCTOR_CONFIG_PATCHES``), unless the options
     say otherwise.
 
@@ -93,9 +94,11 @@ def vitbal_backend(
         _refuse_unbalanced_vit(gm)
     log.debug("vitbal backend: %d balancing op(s) traced, %d inserted", before, added)
     compile_fn = torch._dynamo.lookup_backend(inner)
-    if inner == "inductor":  # its options are config patches, with what balancing needs first
+    if inner == "inductor":  # a mode and options are config patches, after what balancing needs
         needed = _compat.INDUCTOR_CONFIG_PATCHES if before + added else {}
-        options = {**needed, **kwargs.pop("config_patches", {}), **options}
+        mode = kwargs.pop("mode", None)
+        mode = torch._inductor.list_mode_options(mode) if mode else {}  # None: every mode's
+        options = {**needed, **mode, **kwargs.pop("config_patches", {}), **options}
         if options:
             kwargs["config_patches"] = options
     elif options:
