@@ -105,12 +105,11 @@ class HostWaits:
     """The library's host waits per rank thread, on CUDA: synchronizing calls made from its own
     lines (``set_sync_debug_mode("warn")`` warnings, attributed by file and line; the models'
     and this check's are not the library's) and event waits (``transfer.wait``, the one place
-    the library blocks on an event, where it has it). On the CPU nothing waits for a device. One
+    the library blocks on an event). On the CPU nothing waits for a device. One
     per process (``counters``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.counted = device.type == "cuda"
-        self.waits_counted = self.counted and hasattr(transfer, "wait")
         self._syncs: dict[int, list[str]] = defaultdict(list)
         self._waits: Counter = Counter()
         self._lock = threading.Lock()
@@ -120,15 +119,14 @@ class HostWaits:
         self._show = warnings.showwarning
         warnings.showwarning = self._warning
         torch.cuda.set_sync_debug_mode("warn")
-        if self.waits_counted:
-            wait = transfer.wait
+        wait = transfer.wait
 
-            def counting_wait(*args, **kwargs):
-                with self._lock:
-                    self._waits[threading.get_ident()] += 1
-                return wait(*args, **kwargs)
+        def counting_wait(*args, **kwargs):
+            with self._lock:
+                self._waits[threading.get_ident()] += 1
+            return wait(*args, **kwargs)
 
-            transfer.wait = counting_wait
+        transfer.wait = counting_wait
 
     def _warning(self, message, category, filename, lineno, file=None, line=None) -> None:
         if "synchroniz" not in str(message):
@@ -151,8 +149,6 @@ class HostWaits:
         steady = sorted({len(s) for steps in per_step for s, _ in steps[1:]})
         lines = sorted({line for steps in per_step for s, _ in steps for line in s})
         syncs = f"{first} / {steady}" + (f" ({', '.join(lines)})" if lines else "")
-        if not self.waits_counted:
-            return syncs, "not counted (no transfer.wait in this library)"
         waits = sorted({steps[0][1] for steps in per_step})
         return syncs, f"{waits} / {sorted({w for steps in per_step for _, w in steps[1:]})}"
 
