@@ -15,7 +15,7 @@ CAPPED_TORCH := 2.14.1
 ABOVE_CAP := $(shell printf '%s\n' $(CAPPED_TORCH) $(TORCH) | sort -V | tail -n 1 | grep -vxF $(CAPPED_TORCH))
 PIP := $(if $(ABOVE_CAP),PIP_CONFIG_FILE=/dev/null) $(PY) -m pip
 
-.PHONY: demo test lint bench clean
+.PHONY: setup demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e '.[test,hf,plot]'
 	$(PY) -c "import torch; assert torch.__version__.startswith('$(TORCH)'), torch.__version__"
 	touch $@
+
+setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) examples/train_omni.py
