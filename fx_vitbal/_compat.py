@@ -1,4 +1,4 @@
-"""Every difference between the torch versions fx_vitbal supports (2.8 through 2.14), and
+"""Every difference between the torch versions fx_vitbal supports (2.8 through 2.15), and
 nothing else: the rest of the package calls these names and never checks a version."""
 
 import torch
@@ -9,7 +9,7 @@ import torch.distributed as dist
 _VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 # ``torch.compiler.assume_constant_result`` on a function of an ``nn.Module``: 2.13 traces it
-# (seen on 2.13 and 2.14); 2.8 and 2.11 raise "UnspecializedNNModuleVariable ... is not a
+# (seen on 2.13, 2.14 and 2.15); 2.8 and 2.11 raise "UnspecializedNNModuleVariable ... is not a
 # constant".
 DYNAMO_CALLS_ON_MODULES_ARE_CONSTANTS = _VERSION >= (2, 13)
 
