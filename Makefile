@@ -9,16 +9,23 @@ else
 VENV := .venv-torch$(TORCH)
 endif
 PY := $(VENV)/bin/python
+# Some machines cap pip's torch below the newest release (a constraint in pip's config file):
+# the venv of a torch newer than CAPPED_TORCH installs with pip reading no config file at all.
+CAPPED_TORCH := 2.14.1
+ABOVE_CAP := $(shell printf '%s\n' $(CAPPED_TORCH) $(TORCH) | sort -V | tail -n 1 | grep -vxF $(CAPPED_TORCH))
+PIP := $(if $(ABOVE_CAP),PIP_CONFIG_FILE=/dev/null) $(PY) -m pip
 
-.PHONY: demo test lint bench clean
+.PHONY: setup demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==$(TORCH)
-	$(PY) -m pip install --quiet -e '.[test,hf,plot]'
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==$(TORCH)
+	$(PIP) install --quiet -e '.[test,hf,plot]'
 	$(PY) -c "import torch; assert torch.__version__.startswith('$(TORCH)'), torch.__version__"
 	touch $@
+
+setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) examples/train_omni.py

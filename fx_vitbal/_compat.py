@@ -10,7 +10,7 @@ import torch.distributed as dist
 _VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 # ``torch.compiler.assume_constant_result`` on a function of an ``nn.Module``: 2.13 traces it
-# (seen on 2.13 and 2.14); 2.8 and 2.11 raise "UnspecializedNNModuleVariable ... is not a
+# (seen on 2.13, 2.14 and 2.15); 2.8 and 2.11 raise "UnspecializedNNModuleVariable ... is not a
 # constant".
 DYNAMO_CALLS_ON_MODULES_ARE_CONSTANTS = _VERSION >= (2, 13)
 

@@ -25,6 +25,7 @@ def _torch_requirement() -> Requirement:
         "2.13.0",
         "2.13.0a0+8a0bbdf.nv26.06",  # NVIDIA PyTorch container 26.06 (Megatron)
         "2.14.1",
+        "2.15.0+cu132",  # PyPI's Linux wheel
     ],
 )
 def test_the_torch_requirement_admits_every_supported_build(version):
