@@ -22,6 +22,11 @@ when it is first read).
 Times are the best of several runs in CPU time (other jobs on a shared machine add wall time, not
 CPU time), the configurations interleaved so drifting load hits them alike, each after a full
 garbage collection so a collection the earlier plans' garbage triggers is not billed to this one.
+
+Small worlds (``--small-ranks``, a second table): the default plan (with what one rank reads of
+it) against the seed at 8-512 ranks, warm (runs back to back) and after a ``gc.collect()`` before
+each run, which leaves the caches cold; ``lists ms`` and ``torch ms`` force each of the planner's
+two executions (``Units.small``, warm), showing where ``SMALL_UNITS`` draws the line.
 torch runs one intra-op thread (``--threads``), as torchrun sets ``OMP_NUM_THREADS=1`` for
 multi-process jobs: the planner's tensors are small, and idle helper threads spinning between
 ops would be billed as CPU time. Plans are the same for any thread count.
@@ -43,11 +48,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost
+from fx_vitbal.plan import units as plan_units
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.tools.workloads import MIXES, sample_batches
 
@@ -217,13 +224,98 @@ def measure(ranks: int, units_per_rank: int, repeats: int, mix: str, today) -> l
     ]
 
 
+SMALL_COLUMNS = [
+    ("ranks", "{}"),
+    ("units/rank", "{:.1f}"),
+    ("units", "{}"),
+    ("runs on", "{}"),
+    ("seed ms", "{:.3f}"),
+    ("default ms", "{:.3f}"),
+    ("default / seed", "{:.2f}"),
+    ("seed ms, gc", "{:.3f}"),
+    ("default ms, gc", "{:.3f}"),
+    ("default / seed, gc", "{:.2f}"),
+    ("lists ms", "{:.3f}"),
+    ("torch ms", "{:.3f}"),
+]
+
+
+def measure_small(ranks: int, units_per_rank: int, repeats: int, mix: str) -> list:
+    """One row of the small-worlds table, in ``SMALL_COLUMNS`` order: best-of times in CPU time,
+    the seed and the default plan interleaved, warm, then each run after a ``gc.collect()``."""
+    grids = sample_batches(ranks, units_per_rank, mix=mix, seed=0)
+    costs = [[QWEN2_VL_7B(*g) for g in rank] for rank in grids]
+    tokens = [[t * h * w for t, h, w in rank] for rank in grids]
+    num_units = sum(map(len, costs))
+
+    def default() -> None:
+        read_as_one_rank(solve_plan(costs, tokens, config=DEFAULT), ranks - 1)
+
+    def forced(limit: int):
+        def run() -> None:
+            with mock.patch.object(plan_units, "SMALL_UNITS", limit):
+                default()
+
+        return run
+
+    runs = {"seed": lambda: seed_lpt_refine(costs), "default": default}
+    runs |= {"lists": forced(1 << 62), "torch": forced(-1)}
+    best = {}
+    for collect in (False, True):
+        for _ in range(repeats):
+            for name, run in runs.items():
+                if collect and name in ("lists", "torch"):
+                    continue
+                if collect:
+                    gc.collect()
+                start = time.process_time()
+                run()
+                elapsed = 1e3 * (time.process_time() - start)
+                best[name, collect] = min(best.get((name, collect), math.inf), elapsed)
+    return [
+        ranks,
+        num_units / ranks,
+        num_units,
+        "lists" if plan_units.is_small(num_units) else "torch",
+        best["seed", False],
+        best["default", False],
+        best["default", False] / best["seed", False],
+        best["seed", True],
+        best["default", True],
+        best["default", True] / best["seed", True],
+        best["lists", False],
+        best["torch", False],
+    ]
+
+
+def print_table(columns, rows) -> None:
+    print("| " + " | ".join(name for name, _ in columns) + " |")
+    print("|" + "---:|" * len(columns))
+    for row in rows:
+        cells = [fmt.format(value) for (_, fmt), value in zip(columns, row, strict=True)]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, one run each")
     parser.add_argument(
         "--mix", choices=[*sorted(MIXES), "all"], default="realistic", help="image mix"
     )
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2048, 8192], help="world sizes")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[2048, 8192], help="world sizes")
+    parser.add_argument(
+        "--small-ranks",
+        type=int,
+        nargs="*",
+        default=[8, 32, 128, 512],
+        help="world sizes of the small-worlds table (none: skip it)",
+    )
+    parser.add_argument(
+        "--small-repeats",
+        type=int,
+        default=100,
+        help="runs per small-worlds cell (fewer for 4k+ units)",
+    )
     parser.add_argument(
         "--units", type=int, nargs="+", default=[1, 4, 8, 16], help="images per rank"
     )
@@ -243,22 +335,41 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s), "
         f"today = {args.baseline}, best of {repeats}"
     )
+    small_ranks, small_repeats = args.small_ranks, args.small_repeats
+    if args.quick:
+        small_ranks, small_repeats = small_ranks[:2], 10
     for mix in mixes:
+        if small_ranks:
+            print(f"\nsmall worlds, mix: {mix} (best of up to {small_repeats})\n")
+            print_table(
+                SMALL_COLUMNS,
+                (
+                    measure_small(
+                        ranks, units, max(5, min(small_repeats, 40000 // (ranks * units))), mix
+                    )
+                    for ranks in small_ranks
+                    for units in all_units
+                ),
+            )
         print(f"\nmix: {mix}\n")
-        print("| " + " | ".join(name for name, _ in COLUMNS) + " |")
-        print("|" + "---:|" * len(COLUMNS))
-        for ranks in all_ranks:
-            for units in all_units:
-                row = measure(ranks, units, repeats, mix, today)
-                cells = [fmt.format(value) for (_, fmt), value in zip(COLUMNS, row, strict=True)]
-                print("| " + " | ".join(cells) + " |", flush=True)
+        print_table(
+            COLUMNS,
+            (
+                measure(ranks, units, repeats, mix, today)
+                for ranks in all_ranks
+                for units in all_units
+            ),
+        )
     print(
         "\nnone / default: makespan over the lower bound max(total / ranks, largest unit), "
         "before balancing and under the default plan (min-move, default row cap); moved: share "
         "of tokens the default plan moves; ms: best-of-N planning CPU time; seed: the seed's "
         "solver restated in plain Python; min-move: no row cap; cap 1.0: max_len_ratio=1.0; "
         "x / today: against the planner at the baseline revision, same inputs, same run "
-        "(makespan, rows moved, the fullest rank's rows); x / y: the ratio of those two times."
+        "(makespan, rows moved, the fullest rank's rows); x / y: the ratio of those two times. "
+        "Small worlds: the default plan with one rank's reads against the seed, warm and after a "
+        "gc.collect() before each run (gc); runs on: the execution SMALL_UNITS picks; lists / "
+        "torch ms: each execution forced (warm)."
     )
 
 

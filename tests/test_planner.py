@@ -4,26 +4,30 @@ The properties hold for any input; the hand cases pin down each documented decis
 the memory cap, history) on inputs small enough to check by eye.
 """
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import itertools
 import math
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
+from fx_vitbal.plan import units as _units_module
+from fx_vitbal.plan.candidates import cap_unkeepable as _cap_unkeepable
 from fx_vitbal.plan.greedy import _best_step
 from fx_vitbal.plan.greedy import place as _place
 from fx_vitbal.plan.min_move import best_fit as _best_fit
 from fx_vitbal.plan.shed import shed_over_target as _shed_over_target
 from fx_vitbal.plan.solve import MAKESPAN_SLACK, solve_plan
 from fx_vitbal.plan.units import Units as _Units
-from fx_vitbal.plan.units import cap_unkeepable as _cap_unkeepable
 from fx_vitbal.plan.units import imbalance
 from fx_vitbal.plan.units import sequential_sums as _sequential_sums
 from fx_vitbal.tools.workloads import sample_batches
@@ -95,6 +99,13 @@ def cases(draw, configs=CONFIGS) -> Case:
 def plan_of(case: Case, **overrides):
     config = dataclasses.replace(case.config, **overrides)
     return solve_plan(case.costs, case.tokens, config=config, history=case.history)
+
+
+@contextlib.contextmanager
+def executed(*, small: bool):
+    """Plan (and build ``Units``) on Python lists (``small``) or by torch ops, whatever the size."""
+    with mock.patch.object(_units_module, "SMALL_UNITS", 1 << 62 if small else -1):
+        yield
 
 
 def identity(counts: list[int]) -> list[list[tuple[int, int]]]:
@@ -504,54 +515,6 @@ def test_best_fit_is_the_documented_scan(problem, limit, keyed):
     assert placed == expected
 
 
-def units_to_shed(ascending, excess, value, rows):
-    """The shedding rule's options for one rank, as ``fx_vitbal.plan.shed`` documents it:
-    ``(several, single)``, several None when nothing covers the excess."""
-    single = next((u for u in ascending if value[u] >= excess), None)
-    several, covered = [], 0
-    for u in reversed(ascending):
-        if 0 < value[u] < excess:
-            if covered + value[u] >= excess:
-                break
-            several.append(u)
-            covered += value[u]
-    taken = set(several)
-    closing = next((u for u in ascending if u not in taken and value[u] >= excess - covered), None)
-    return (None if closing is None else [*several, closing]), single
-
-
-def shed_by_scanning(units, cap, accept):
-    """Which units each rank sheds, rank by rank in Python (``shed_over_target``'s rule)."""
-    cost, tokens, base = units.cost, units.tokens, units.base_fixed
-    shed = []
-    for r in range(units.num_ranks):
-        ids = list(units.home_ids(r))
-        ascending = sorted(reversed(ids), key=cost.__getitem__)  # ties by id descending
-        load = base[r] + sum(cost[u] for u in ids)
-        if load > accept and ids:
-            several, single = units_to_shed(ascending, load - accept, cost, tokens)
-            if several is None:
-                gone = ascending
-            elif single is None or sum(tokens[u] for u in several) <= tokens[single]:
-                gone = several
-            else:
-                gone = [single]
-            shed += gone
-            ascending = [u for u in ascending if u not in gone]
-        held = sum(tokens[u] for u in ascending)
-        if held > cap and len(ascending) > 1:
-            by_rows = sorted(sorted(ascending, reverse=True), key=tokens.__getitem__)
-            several, single = units_to_shed(by_rows, held - cap, tokens, tokens)
-            options = []
-            if several is not None and len(several) < len(by_rows):
-                options.append(several)
-            if single is not None:
-                options.append([single])
-            options.append(by_rows[:-1])  # the unit with the most rows stays, alone
-            shed += min(options, key=lambda gone: sum(tokens[u] for u in gone))
-    return sorted(shed, key=lambda u: (-cost[u], u))
-
-
 @st.composite
 def shedding_problems(draw):
     """Small integer costs and rows with many ties and zeros, sometimes history and a cap."""
@@ -575,15 +538,19 @@ def shedding_problems(draw):
 
 @settings(max_examples=500, deadline=None)
 @given(shedding_problems())
-def test_vectorized_shedding_is_the_documented_rule_rank_by_rank(problem):
+def test_shedding_by_torch_ops_is_the_rule_rank_by_rank(problem):
     costs, tokens, history, cap, target = problem
-    units = _Units(costs, tokens, history)
+    with executed(small=True):
+        units = _Units(costs, tokens, history)
+    with executed(small=False):
+        tensors = _Units(costs, tokens, history)
     if not units.num_units or units.total_before == 0:
         return
     accept = target << units.scale_exp if units.scale_exp >= 0 else target >> -units.scale_exp
     shed = _shed_over_target(units, cap, accept)
-    assert shed.ids == shed_by_scanning(units, cap, accept)
+    assert _shed_over_target(tensors, cap, accept) == shed
     gone = set(shed.ids)
+    assert shed.ids == sorted(gone, key=lambda u: (-units.cost[u], u))
     for r in range(units.num_ranks):
         kept = [u for u in units.home_ids(r) if u not in gone]
         assert shed.loads[r] == units.base_fixed[r] + sum(units.cost[u] for u in kept)
@@ -1033,8 +1000,108 @@ def test_plan_is_the_same_for_any_thread_count():
     assert plans[0].applied
 
 
-def test_a_default_device_leaves_the_plan_on_the_host():
-    case = realistic_case(64, 8, 0)
+@pytest.mark.parametrize("num_ranks", [64, 512])  # planned on Python lists, by torch ops
+def test_a_default_device_leaves_the_plan_on_the_host(num_ranks):
+    case = realistic_case(num_ranks, 8, 0)
     with torch.device("meta"):  # as torch.set_default_device("cuda") would, on any machine
         on_meta = plan_of(case)
     assert on_meta == plan_of(case)
+
+
+# Two executions of one planner: Python lists for small inputs, torch ops for large ones
+# (``Units.small``). Forced each way on any input, they must give the same plan, bit for bit.
+
+
+def made_up_exchange_seconds(send: list[int], recv: list[int]) -> float:
+    """An exchange model (seconds from the rows each rank sends and receives), as
+    ``ExchangeModel.step_seconds`` prices a plan."""
+    return 2e-5 + max(max(send), max(recv)) * 4e-9
+
+
+@st.composite
+def any_inputs(draw):
+    """``(costs, tokens, solve_plan keywords)``: grids under any cost model, or small integer
+    costs and rows full of ties, duplicates and zeros; empty ranks, history, every option,
+    node-aware planning and the exchange model's path."""
+    if draw(st.booleans()):
+        case = draw(cases(configs=NODE_CONFIGS))
+        costs, tokens, config, history = case.costs, case.tokens, case.config, case.history
+    else:
+        num_ranks = draw(st.integers(1, 12))
+        pairs = st.tuples(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0]), st.integers(0, 6))
+        ranks = draw(st.lists(st.lists(pairs, max_size=8), min_size=num_ranks, max_size=num_ranks))
+        costs = [[c for c, _ in rank] for rank in ranks]
+        tokens = [[n for _, n in rank] for rank in ranks]
+        config, history = draw(NODE_CONFIGS), None
+        if draw(st.booleans()):
+            history = draw(
+                st.lists(
+                    st.sampled_from([0.0, 1.0, 4.0, 9.0]), min_size=num_ranks, max_size=num_ranks
+                )
+            )
+    keywords = {"config": config, "history": history}
+    if draw(st.booleans()):
+        keywords["exchange_seconds"] = made_up_exchange_seconds
+    return costs, tokens, keywords
+
+
+def plan_bits(plan, num_ranks: int):
+    """Everything a plan says, floats as their exact bits: first what each rank reads of it
+    (its own list and its units' destinations, made when first read), then the whole."""
+    reads = [(plan.assignment[r], plan.destinations(r)) for r in range(num_ranks)]
+    floats = [*plan.loads_before, *plan.loads_after, plan.imbalance_before, plan.imbalance_after]
+    return (
+        reads,
+        list(plan.assignment),
+        plan.applied,
+        plan.reason,
+        [x.hex() for x in floats],
+        plan.moved_tokens,
+        plan.cap_respected,
+        plan.inter_node_tokens,
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(any_inputs())
+def test_python_lists_and_torch_ops_give_the_same_plan_bit_for_bit(inputs):
+    costs, tokens, keywords = inputs
+    with executed(small=True):
+        lists = solve_plan(costs, tokens, **keywords)
+    with executed(small=False):
+        tensors = solve_plan(costs, tokens, **keywords)
+    assert plan_bits(lists, len(costs)) == plan_bits(tensors, len(costs))
+
+
+@pytest.mark.parametrize(("num_ranks", "images"), [(8, 4), (32, 8), (128, 8), (256, 8)])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"max_len_ratio": 1.0}, {"strategy": "lpt"}, {"ranks_per_node": 8}]
+)
+def test_both_executions_agree_on_realistic_batches(num_ranks, images, overrides):
+    case = realistic_case(num_ranks, images, num_ranks + images)
+    config = dataclasses.replace(case.config, trigger_threshold=0.2, **overrides)
+    with executed(small=True):
+        lists = solve_plan(case.costs, case.tokens, config=config)
+    with executed(small=False):
+        tensors = solve_plan(case.costs, case.tokens, config=config)
+    assert plan_bits(lists, num_ranks) == plan_bits(tensors, num_ranks)
+
+
+class _CountTorchCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@PROPERTY_SETTINGS
+@given(any_inputs())
+def test_small_inputs_plan_without_a_torch_op(inputs):
+    costs, tokens, keywords = inputs
+    with _CountTorchCalls() as counted:
+        plan = solve_plan(costs, tokens, **keywords)
+        plan_bits(plan, len(costs))
+    assert counted.calls == []

@@ -1,11 +1,11 @@
 """Assign ViT units (images or frames) to data-parallel ranks so every rank gets similar work.
 
 Layers, each importing only those above it in this list: ``assignment`` (a plan's per-rank
-unit lists, each made when first read), ``units`` (the flat unit tensors, the fixed-point costs,
-the row cap, ``Plan``), ``candidates`` (assignments as the units they move,
-and the plan made of one), ``shed`` (which units overloaded ranks shed), ``greedy`` (LPT and
-the refinement), ``min_move`` (best-fit and min-move's attempts), ``nodes`` (node-aware
-min-move), ``solve`` (``solve_plan``: the candidates and the choice).
+unit lists, each made when first read), ``units`` (the flat unit arrays, the fixed-point costs,
+``Plan``), ``candidates`` (the row cap, assignments as the units they move, and the plan made of
+one), ``shed`` (which units overloaded ranks shed), ``greedy`` (LPT and the refinement),
+``min_move`` (best-fit and min-move's attempts), ``nodes`` (node-aware min-move), ``solve``
+(``solve_plan``: the candidates and the choice).
 
 Deterministic: every rank runs ``solve_plan`` on the same gathered input and must get the same
 answer. Decisions are made on integer fixed-point costs, whose sums are exact in any order (so
@@ -26,11 +26,17 @@ Two strategies:
   becomes LPT's makespan plus 1% (uncapped LPT's when LPT under the row cap gains nothing), with
   LPT itself a candidate.
 
-What runs where: torch ops over the whole input flatten and check it, sum every rank's load and
-rows, find the lower bound, the ranks over the target and the units they shed; Python runs only
-for the units that move and the ranks they touch (best-fit, the refinement), and LPT deals every
-unit in Python when it runs. Plans move few units: a candidate lists only its moves, and a
-plan's per-rank lists are made only for the ranks that read them (a step reads its own).
+What runs where: one algorithm, executed two ways by the input's size (``Units.small``). Up to
+``units.SMALL_UNITS`` units it runs on Python lists and makes no tensor: a torch op's fixed cost
+(2-8 us, 70-190 us after a garbage collection) would dominate there. Above, torch ops over the
+whole input flatten and check it, sum every rank's load and rows, find the lower bound, the
+ranks over the target and the units they shed. The steps with two executions (taking the input,
+shedding, a candidate's sums, the plan's lists and loads) keep them side by side, and a property
+test holds them to the same plan bit for bit. Either way Python loops run only for the units
+that move and the ranks they touch (best-fit, the refinement), and LPT deals every unit in Python
+when it runs; the list execution's other passes over every unit are C-level (``map``,
+``sorted``, ``functools.reduce``). Plans move few units: a candidate lists only its moves, and
+a plan's per-rank lists are made only for the ranks that read them (a step reads its own).
 
 Both keep a cap on the pixel rows each rank computes (``BalanceConfig.max_len_ratio``); by default
 no rank may end with more rows than the fullest rank holds before balancing, so balancing never

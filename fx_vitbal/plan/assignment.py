@@ -11,8 +11,9 @@ it, ``(src, idx)`` order inside), ``_U`` one per unit id (``(src, idx)`` order).
 """
 
 import bisect
+from array import array
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, chain, repeat
 
 import torch
 
@@ -26,6 +27,9 @@ class Assignment(Sequence):
         dest_U: the rank computing each unit id.
         src_U: each unit id's home rank (``Units.src_U``).
         starts: rank ``r``'s unit ids are ``starts[r]`` to ``starts[r + 1] - 1``.
+
+    ``ids_A``, ``dest_U`` and ``src_U`` are int64 tensors, or ``array("q")`` for plans made
+    without torch (small inputs, ``from_lists``): both slice, and their slices have ``tolist``.
     """
 
     def __init__(
@@ -55,9 +59,8 @@ class Assignment(Sequence):
             for src, idx in units:
                 dest[starts[src] + idx] = d
         bounds = [0, *accumulate(map(len, lists))]
-        ids_A, dest_U = torch.tensor(ids, dtype=torch.int64), torch.tensor(dest, dtype=torch.int64)
-        src_U = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor(counts))
-        assignment = cls(ids_A, bounds, dest_U, src_U, starts)
+        src = chain.from_iterable(map(repeat, range(len(lists)), counts))
+        assignment = cls(array("q", ids), bounds, array("q", dest), array("q", src), starts)
         assignment._every = [list(units) for units in lists]
         return assignment
 
@@ -93,12 +96,18 @@ class Assignment(Sequence):
         return self._dest_U[self._starts[rank] : self._starts[rank + 1]].tolist()
 
     def _all(self) -> list[list[tuple[int, int]]]:
-        """Every rank's list, made by tensor ops and one pass in C."""
+        """Every rank's list, made by tensor ops (or a pass in Python for arrays) and one pass
+        in C."""
         if self._every is None:
-            src_A = self._src_U.index_select(0, self._ids_A)
-            starts = torch.tensor(self._starts, dtype=torch.int64)
-            idx_A = self._ids_A - starts.index_select(0, src_A)
-            pairs = list(zip(src_A.tolist(), idx_A.tolist(), strict=True))
+            if isinstance(self._ids_A, torch.Tensor):
+                src_A = self._src_U.index_select(0, self._ids_A)
+                starts = torch.tensor(self._starts, dtype=torch.int64)
+                idx_A = self._ids_A - starts.index_select(0, src_A)
+                src_A, idx_A = src_A.tolist(), idx_A.tolist()
+            else:
+                src_A = list(map(self._src_U.__getitem__, self._ids_A))
+                idx_A = [u - self._starts[s] for u, s in zip(self._ids_A, src_A, strict=True)]
+            pairs = list(zip(src_A, idx_A, strict=True))
             bounds = self._bounds
             self._every = list(map(pairs.__getitem__, map(slice, bounds, bounds[1:])))
         return self._every

@@ -1,13 +1,20 @@
-"""Candidate assignments, as the units they move, and the ``Plan`` made of the one chosen.
+"""The row cap, candidate assignments (as the units they move), and the ``Plan`` made of the one
+chosen.
 
 A candidate lists only the units computed away from home, with every rank's fixed-point load,
 rows and unit count kept exact move by move. The plan's lists and reported float loads are
 rebuilt only on the ranks those moves touch: every other rank computes its own units, in order.
+
+Each function that reads every unit or every move has two executions side by side: torch ops for
+large inputs, Python lists for small ones (``Units.small``); ``test_planner`` proves them equal.
 """
 
+import math
 import operator
+from array import array
 from collections.abc import Sequence
-from itertools import accumulate, compress
+from functools import reduce
+from itertools import accumulate, compress, pairwise, repeat
 from typing import NamedTuple
 
 import torch
@@ -21,6 +28,35 @@ from fx_vitbal.plan.units import (
     keeps_row_cap,
     sequential_sums,
 )
+
+
+def row_cap(units: Units, ratio: float | None) -> float:
+    """The most pixel rows a rank may compute (``config.max_len_ratio``); ``math.inf``: no cap.
+
+    ``None`` caps at the fullest rank's current rows: the layout the job already fits in. Rows
+    are integers, so flooring ``mean * ratio`` changes no comparison and keeps row room exact.
+    """
+    if ratio is None:
+        return max(units.home_rows) if units.small else int(units.home_rows_R.max())
+    if ratio == math.inf:
+        return math.inf
+    return math.floor(units.total_tokens / units.num_ranks * ratio)
+
+
+def cap_unkeepable(units: Units, cap: float) -> bool:
+    """Whether no assignment at all keeps the cap (``max_len_ratio=1.0`` with no unit above it,
+    typically: the rows exceed ``ranks * floor(mean)``).
+
+    At best the units above the cap sit alone and every other rank is full to the cap, so more
+    rows than that fit in no assignment.
+    """
+    if cap == math.inf:
+        return False
+    if units.small:
+        excess = sum(map(max, repeat(0), map(operator.sub, units.tokens, repeat(cap))))
+    else:
+        excess = int((units.tokens_U - cap).clamp(min=0).sum())
+    return units.total_tokens > cap * units.num_ranks + excess
 
 
 class Candidate(NamedTuple):
@@ -51,7 +87,17 @@ def make_candidate(
 
 def candidate_from_dest(dest: Sequence[int], units: Units, cap: float) -> Candidate:
     """The candidate of a full assignment (``dest[u]``: the rank computing unit ``u``), as the
-    greedy passes that deal every unit make them; sums by torch ops over the whole input."""
+    greedy passes that deal every unit make them."""
+    if units.small:
+        loads, rows, counts = units.base_fixed[:], [0] * units.num_ranks, [0] * units.num_ranks
+        cost, tokens, src, moves = units.cost, units.tokens, units.src, {}
+        for u, d in enumerate(dest):
+            loads[d] += cost[u]
+            rows[d] += tokens[u]
+            counts[d] += 1
+            if d != src[u]:
+                moves[u] = d
+        return make_candidate(moves, loads, rows, counts, cap)
     dest_U = int_tensor(list(dest))
     num_ranks = units.num_ranks
     zeros = torch.zeros(num_ranks, dtype=torch.int64)
@@ -74,6 +120,10 @@ def full_dest(candidate: Candidate, units: Units) -> list[int]:
 
 def _moved(candidate: Candidate, units: Units) -> tuple[list[int], list[int], list[int]]:
     """Sources, destinations and rows of the moved units, in ``moves`` order."""
+    if units.small:
+        moved = list(candidate.moves)
+        src, tokens = units.src, units.tokens
+        return [src[u] for u in moved], list(candidate.moves.values()), [tokens[u] for u in moved]
     ids = int_tensor(list(candidate.moves))
     return (
         units.src_U[ids].tolist(),
@@ -89,6 +139,13 @@ def rows_away(
     rank's (rank ``r`` on node ``r // ranks_per_node``; 0 when nodes are unknown, ``None``)."""
     if not candidate.moves:
         return 0, 0
+    if units.small:
+        tokens, src = units.tokens, units.src
+        moved = sum(map(tokens.__getitem__, candidate.moves))
+        if ranks_per_node is None:
+            return moved, 0
+        n = ranks_per_node
+        return moved, sum(tokens[u] for u, d in candidate.moves.items() if src[u] // n != d // n)
     ids = int_tensor(list(candidate.moves))
     return _rows_away(units, ids, int_tensor(list(candidate.moves.values())), ranks_per_node)
 
@@ -128,10 +185,30 @@ def make_plan(
     moved_tokens = inter_node = 0
     if not candidate.moves:
         starts = units.starts
-        ids = torch.arange(units.num_units)
-        assignment = Assignment(ids, starts, units.src_U, units.src_U, starts)
+        if units.small:
+            src = array("q", units.src)
+            assignment = Assignment(array("q", range(units.num_units)), starts, src, src, starts)
+        else:
+            ids = torch.arange(units.num_units)
+            assignment = Assignment(ids, starts, units.src_U, units.src_U, starts)
         loads_after = units.loads_before[:]
         imbalance_after = units.imbalance_before
+    elif units.small:
+        dest = units.src[:]
+        for u, d in candidate.moves.items():
+            dest[u] = d
+        ids = sorted(range(units.num_units), key=dest.__getitem__)  # stable, as torch.sort
+        bounds = [0, *accumulate(candidate.counts)]
+        cost = units.float_cost
+        loads_after = [
+            reduce(operator.add, map(cost.__getitem__, ids[a:b]), 0.0) for a, b in pairwise(bounds)
+        ]
+        if units.history is not None:
+            loads_after = [s + b for s, b in zip(loads_after, units.base, strict=True)]
+        imbalance_after = imbalance_of(max(loads_after), sum(loads_after), units.num_ranks)
+        ids_A, dest_U, src_U = array("q", ids), array("q", dest), array("q", units.src)
+        assignment = Assignment(ids_A, bounds, dest_U, src_U, units.starts)
+        moved_tokens, inter_node = rows_away(candidate, units, ranks_per_node)
     else:
         ids, dests = int_tensor(list(candidate.moves)), int_tensor(list(candidate.moves.values()))
         dest_U = units.src_U.clone()

@@ -217,35 +217,38 @@ def _best_step(
     ``cost[u] - gap / 2``, so on each side only the nearest partner keeping the cap can win (the
     lowest id among equally near ones). They are found by bisection and a walk past partners that
     break the cap, instead of trying every pair. Costs are integers, so the middle is compared
-    doubled, exactly.
+    doubled, exactly. No step of ``u`` lowers the pair's maximum below ``load_hi - cost[u]``, so
+    units go costliest first and the search stops at the first that cannot beat the best found.
     """
     partners = sorted((2 * cost[v], v) for v in on_lo)
     partner_costs = [c for c, _ in partners]
-
-    def keeps_cap(u: int, v: int) -> bool:
-        shift = tokens[u] - (tokens[v] if v >= 0 else 0)
-        return tokens_lo + shift <= cap and tokens_hi - shift <= cap
-
+    # Shifting ``s`` rows from hi to lo keeps both under the cap when ``least <= s <= most``.
+    most, least = cap - tokens_lo, tokens_hi - cap
     best = None
-    for u in on_hi:
-        twice = 2 * cost[u]
+    for u in sorted(on_hi, key=cost.__getitem__, reverse=True):
+        cost_u, tokens_u = cost[u], tokens[u]
+        if cost_u <= 0 or (best is not None and load_hi - cost_u > best[0]):
+            break
+        twice = 2 * cost_u
         i = bisect.bisect_left(partner_costs, twice - gap)
-        candidates = [-1] if keeps_cap(u, -1) else []
+        steps = [-1] if least <= tokens_u <= most else []
         nearest = None  # cost of the nearest cheaper partner keeping the cap
-        for c, v in reversed(partners[:i]):  # nearest first; equal costs by descending id
+        for k in range(i - 1, -1, -1):  # nearest first; equal costs by descending id
+            c, v = partners[k]
             if twice - c >= 2 * gap or (nearest is not None and c != nearest):
                 break
-            if keeps_cap(u, v):
-                candidates.append(v)
+            if least <= tokens_u - tokens[v] <= most:
+                steps.append(v)
                 nearest = c
-        for c, v in partners[i:]:  # nearest first; equal costs by ascending id
+        for k in range(i, len(partners)):  # nearest first; equal costs by ascending id
+            c, v = partners[k]
             if c >= twice:
                 break
-            if keeps_cap(u, v):
-                candidates.append(v)
+            if least <= tokens_u - tokens[v] <= most:
+                steps.append(v)
                 break
-        for v in candidates:
-            delta = cost[u] - (cost[v] if v >= 0 else 0)
+        for v in steps:
+            delta = cost_u - (cost[v] if v >= 0 else 0)
             if 0 < delta < gap:
                 key = (max(load_hi - delta, load_lo + delta), u, v)
                 if best is None or key < best:

@@ -110,7 +110,7 @@ def best_fit(
     stack: list[int] = []  # keys of ranks the bound passed, ascending
     heap: list[int] = []  # negated keys of ranks back under the bound
     later: list[int] = []  # keys of ranks back, above the bound
-    parked = _Parked(cap, mask) if cap != math.inf else None
+    parked = None  # made when a rank is first parked (its tree takes a few thousand entries)
     misfits = []
     heappush, heappop = heapq.heappush, heapq.heappop
     for k in range(num_units):
@@ -141,6 +141,7 @@ def best_fit(
                 stack.pop()
             source = None
             if rows[r] <= cap:  # else it can take no unit again: it leaves
+                parked = parked or _Parked(cap, mask)
                 parked.park(key, cap - rows[r])
         if parked is not None and parked.size:
             key = parked.fullest(need, best, rows)

@@ -1,5 +1,7 @@
-"""Which units the ranks above the target (or above the row cap) shed: torch ops over every rank
-at once, in integer fixed point, so no Python runs per rank or per unit here.
+"""Which units the ranks above the target (or above the row cap) shed: for large inputs torch ops
+over every rank at once, in integer fixed point, so no Python runs per rank or per unit here;
+for small ones (``Units.small``) the same rule rank by rank in Python (``_shed_by_rank``, which
+``test_planner`` proves equal to the torch ops).
 
 Shape suffixes: ``_R`` per rank, ``_G`` per rank that sheds (a group), ``_P`` per unit of those
 ranks, grouped, in the order the rule reads them (positions).
@@ -49,6 +51,8 @@ def shed_over_target(units: Units, cap: float, accept: int) -> Shed:
     The row rule: the fewest rows among the same two options over rows, and shedding all but the
     unit with the most rows (one unit alone may exceed the cap); ties in that order.
     """
+    if units.small:
+        return _shed_by_rank(units, cap, accept)
     loads_R, rows_R, counts_R = units.home_loads_R, units.home_rows_R, units.counts_R
     accept = min(accept, _NONE)  # loads are below it: any higher target sheds the same
     sheds_R = loads_R > accept
@@ -107,6 +111,72 @@ def shed_over_target(units: Units, cap: float, accept: int) -> Shed:
     rows_R.index_copy_(0, ranks_G, rows_G)
     counts_R.index_copy_(0, ranks_G, counts_G)
     return _shed(units, shed, loads_R, rows_R, counts_R)
+
+
+def _shed_by_rank(units: Units, cap: float, accept: int) -> Shed:
+    """``shed_over_target`` rank by rank on Python lists, for small inputs: the rule as its
+    docstring states it."""
+    cost, tokens, src = units.cost, units.tokens, units.src
+    loads, rows, counts = units.home_loads[:], units.home_rows[:], units.counts[:]
+    shed = []
+    for r in range(units.num_ranks):
+        over = loads[r] > accept
+        if not (over or (rows[r] > cap and counts[r] > 1)):
+            continue
+        held = sorted(reversed(units.home_ids(r)), key=cost.__getitem__)  # ties: id descending
+        gone = []
+        if over:
+            several, single = _options(held, loads[r] - accept, cost)
+            if several is None:
+                gone = held
+            elif single is None or sum(map(tokens.__getitem__, several)) <= tokens[single]:
+                gone = several
+            else:
+                gone = [single]
+        left = rows[r] - sum(map(tokens.__getitem__, gone))
+        if left > cap and counts[r] - len(gone) > 1:
+            held = sorted(sorted(set(held).difference(gone), reverse=True), key=tokens.__getitem__)
+            several, single = _options(held, left - cap, tokens)
+            options = [several] if several is not None and len(several) < len(held) else []
+            options += [[single]] if single is not None else []
+            options.append(held[:-1])  # the unit with the most rows stays, alone
+            gone = gone + min(options, key=lambda out: sum(map(tokens.__getitem__, out)))
+        for u in gone:
+            loads[r] -= cost[u]
+            rows[r] -= tokens[u]
+            counts[r] -= 1
+        shed += gone
+    shed.sort()
+    shed.sort(key=cost.__getitem__, reverse=True)  # by cost descending, ties by id
+    bits = units.rank_bits
+    return Shed(
+        shed,
+        [cost[u] for u in shed],
+        [tokens[u] for u in shed],
+        [src[u] for u in shed],
+        loads,
+        rows,
+        counts,
+        sorted((load << bits) | r for r, load in enumerate(loads)),
+    )
+
+
+def _options(ascending: list[int], excess: int, value: list[int]):
+    """The rule's two options for one rank's units (``ascending`` by ``value``, ties by id
+    descending): the several (the largest units below the excess while they leave some of it,
+    closed by the cheapest other unit covering the rest; None when nothing covers it) and the
+    single (the cheapest unit covering the excess; None when none does)."""
+    single = next((u for u in ascending if value[u] >= excess), None)
+    several, covered = [], 0
+    for u in reversed(ascending):
+        if 0 < value[u] < excess:
+            if covered + value[u] >= excess:
+                break
+            several.append(u)
+            covered += value[u]
+    rest = excess - covered
+    closing = next((u for u in ascending if value[u] >= rest and u not in several), None)
+    return (None if closing is None else [*several, closing]), single
 
 
 def _shed_rows(units: Units, ids_Q, group_Q, rows_G, cap):

@@ -10,19 +10,16 @@ from fx_vitbal.plan import nodes
 from fx_vitbal.plan.candidates import (
     Candidate,
     candidate_from_dest,
+    cap_unkeepable,
     crossing_rows,
     make_plan,
+    row_cap,
     rows_away,
 )
 from fx_vitbal.plan.greedy import lpt_assign, lpt_assign_within, refine
 from fx_vitbal.plan.min_move import min_move, room_to_spare, shed_and_place
 from fx_vitbal.plan.shed import shed_over_target
-from fx_vitbal.plan.units import (
-    Plan,
-    Units,
-    cap_unkeepable,
-    row_cap,
-)
+from fx_vitbal.plan.units import Plan, Units, is_small
 
 # min-move may end this much above the refined LPT makespan (the communication it saves is worth
 # far more than 1% of the ViT step).
@@ -61,9 +58,10 @@ def solve_plan(
         ValueError: mismatched shapes, negative or non-finite costs, negative token counts.
     """
     config = config or BalanceConfig()
-    if torch.get_default_device().type != "cpu":
-        # A default device set for the model (``torch.set_default_device``) must not move the
-        # planner's tensors: they are small, and on the host no op waits on a device.
+    # A default device set for the model (``torch.set_default_device``) must not move the
+    # planner's tensors: they are small, and on the host no op waits on a device. Small inputs
+    # make none (``Units.small``), so they skip the question (it costs several us).
+    if not is_small(sum(map(len, costs))) and torch.get_default_device().type != "cpu":
         with torch.device("cpu"):
             return _solve(costs, tokens, config, history, exchange_seconds)
     return _solve(costs, tokens, config, history, exchange_seconds)
@@ -88,7 +86,7 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
         return skip("empty")
     if units.imbalance_before < config.trigger_threshold:
         return skip("balanced")
-    if config.skip_rule == "seed" and float(units.cost_F.max()) > units.total_before / num_ranks:
+    if config.skip_rule == "seed" and units.largest_float_cost > units.total_before / num_ranks:
         return skip("dominant-unit")
 
     def apply(best: Candidate) -> Plan:
@@ -102,7 +100,7 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
     # From here on, loads are fixed point (``Units.scale_exp``): exact, so comparisons and
     # running sums give the same answer on every rank.
     base = units.base_fixed
-    total = int(units.home_loads_R.sum())
+    total = sum(units.home_loads)
     mean_load = -(-total // num_ranks)  # no plan's makespan is below the mean, rounded up
 
     # min-move aims first at the lower bound of any plan's makespan + the slack, without LPT
@@ -150,7 +148,7 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
     hopeless = not keepable or not (home_keeps_cap or lpt.cap_respected)
     if config.strategy == "min-move" and not hopeless:
         target = lpt.makespan
-        if target >= int(units.home_loads_R.max()):
+        if target >= max(units.home_loads):
             # LPT deals every unit from scratch, so under a cap the current rows nearly fill it
             # can gain nothing where a few moves do: aim at uncapped LPT's makespan instead.
             if free_plan is None:

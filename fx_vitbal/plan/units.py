@@ -1,8 +1,15 @@
-"""The planner's data: the flat unit arrays (torch, built and checked for the whole input at
-once), the integer fixed-point costs every decision is made in, the row cap, and the ``Plan``
-every rank gets.
+"""The planner's data: the flat unit arrays (torch tensors for large inputs, Python lists for
+small ones), the integer fixed-point costs every decision is made in, and the ``Plan`` every
+rank gets.
 
 Shape suffixes: ``_U`` one entry per unit (all ranks' units, rank by rank), ``_R`` one per rank.
+
+Why two executions: a torch op costs 2-8 us whatever its size (70-190 us for the first one after
+a garbage collection), and planning by tensor ops runs about 250 of them, a floor of 2-3 ms that
+plain Python over lists undercuts below a few thousand units. ``Units.small`` (``SMALL_UNITS``)
+says which one runs; the steps that have both (here, ``shed``, ``candidates``) keep them side by
+side, every other step is the same Python for both, and ``test_planner`` proves that the two
+give the same plans, bit for bit.
 
 Why fixed point: every rank must reach the same plan. Integer sums are exact, so they do not
 depend on the order a reduction runs in (thread count, vector width), and a running sum equals a
@@ -17,7 +24,8 @@ import operator
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from itertools import accumulate, chain, compress, repeat
+from functools import reduce
+from itertools import accumulate, chain, compress, pairwise, repeat
 
 import torch
 
@@ -71,13 +79,26 @@ def imbalance_of(largest: float, total: float, count: int) -> float:
     return largest * count / total - 1.0 if total > 0 else 0.0
 
 
-class Units:
-    """All ranks' units as flat tensors; unit ``u`` is ``(src, idx)`` with ``src`` its home rank
-    and ``idx = u - starts[src]``, so ids ascend in ``(src, idx)`` order.
+# Inputs of at most this many units are planned on Python lists, larger ones by torch ops (the
+# module docstring says why; ``benchmarks/planner.py`` measures both sides of the line).
+SMALL_UNITS = 2048
 
-    Built and validated with a few C-level passes and torch ops over the whole input. Python
-    lists of every unit (``cost``, ``tokens``, ``src``) exist only for the paths that deal every
-    unit (LPT); the default path touches per-unit Python only for the units that move.
+
+def is_small(num_units: int) -> bool:
+    """Whether an input of ``num_units`` units is planned on Python lists (``SMALL_UNITS``)."""
+    return num_units <= SMALL_UNITS
+
+
+class Units:
+    """All ranks' units; unit ``u`` is ``(src, idx)`` with ``src`` its home rank and
+    ``idx = u - starts[src]``, so ids ascend in ``(src, idx)`` order.
+
+    ``small`` inputs (at most ``SMALL_UNITS`` units) are held as Python lists (``float_cost``,
+    ``tokens``, ``src``, ``home_rows``) and no torch op runs for them. Large ones are built and
+    validated with a few C-level passes and torch ops over the whole input (``cost_F``,
+    ``tokens_U``, ``src_U``, ``counts_R``, ``starts_R``, ``home_rows_R``); Python lists of every
+    unit are then made only for the paths that deal every unit (LPT), and the default path
+    touches per-unit Python only for the units that move.
 
     Args:
         costs, tokens, history: as ``solve_plan`` takes them.
@@ -97,19 +118,30 @@ class Units:
         if self.counts != list(map(len, tokens)):
             _name_invalid_rank(costs, tokens)
         self.num_units = sum(self.counts)
-        self.cost_F = _flat_tensor(costs, "d", self.num_units)  # float64: what plans report
+        self.small = is_small(self.num_units)
+        flat_cost = _flat(costs, "d")  # float64: what plans report
         try:
-            self.tokens_U = _flat_tensor(tokens, "q", self.num_units)
+            flat_tokens = _flat(tokens, "q")
         except TypeError:  # floats holding whole numbers, say: truncated as int() does
             if min(chain.from_iterable(tokens)) < 0:
                 _name_invalid_rank(costs, tokens)
-            whole = array("q", map(int, chain.from_iterable(tokens)))
-            self.tokens_U = torch.frombuffer(whole, dtype=torch.int64)
-        if self.num_units and not (
-            bool(torch.isfinite(self.cost_F).all())
-            and float(self.cost_F.min()) >= 0
-            and int(self.tokens_U.min()) >= 0
-        ):
+            flat_tokens = array("q", map(int, chain.from_iterable(tokens)))
+        if self.small:
+            self.float_cost, self.tokens = flat_cost.tolist(), flat_tokens.tolist()
+            valid = not self.num_units or (
+                all(map(math.isfinite, self.float_cost))
+                and min(self.float_cost) >= 0
+                and min(self.tokens) >= 0
+            )
+        else:
+            self.cost_F = _tensor(flat_cost, torch.float64)
+            self.tokens_U = _tensor(flat_tokens, torch.int64)
+            valid = not self.num_units or (
+                bool(torch.isfinite(self.cost_F).all())
+                and float(self.cost_F.min()) >= 0
+                and int(self.tokens_U.min()) >= 0
+            )
+        if not valid:
             _name_invalid_rank(costs, tokens)
         if history is not None:
             if len(history) != num_ranks:
@@ -117,24 +149,38 @@ class Units:
             if not all(math.isfinite(h) and h >= 0 for h in history):
                 raise ValueError(f"history must be finite and >= 0, got {list(history)!r}")
         self.history = history
-        self.counts_R = int_tensor(self.counts)
-        self.starts_R = torch.cumsum(self.counts_R, 0) - self.counts_R
-        self.src_U = torch.repeat_interleave(torch.arange(num_ranks), self.counts_R)
-        self.home_rows_R = torch.zeros(num_ranks, dtype=torch.int64).index_add_(
-            0, self.src_U, self.tokens_U
-        )
-        self.total_tokens = int(self.home_rows_R.sum())
+        if self.small:
+            spans = list(pairwise(self.starts))
+            self.src = list(chain.from_iterable(map(repeat, range(num_ranks), self.counts)))
+            self.home_rows = [sum(self.tokens[a:b]) for a, b in spans]
+            self.total_tokens = sum(self.home_rows)
+            # In order from 0.0, as ``sequential_sums`` adds (``sum`` may not: Python 3.12's
+            # compensates for rounding).
+            sums = [reduce(operator.add, self.float_cost[a:b], 0.0) for a, b in spans]
+            if history is not None:
+                sums = [float(h) + s for h, s in zip(history, sums, strict=True)]
+            self.loads_before = sums
+            self.max_before = max(sums)
+        else:
+            self.counts_R = int_tensor(self.counts)
+            self.starts_R = torch.cumsum(self.counts_R, 0) - self.counts_R
+            self.src_U = torch.repeat_interleave(torch.arange(num_ranks), self.counts_R)
+            self.home_rows_R = torch.zeros(num_ranks, dtype=torch.int64).index_add_(
+                0, self.src_U, self.tokens_U
+            )
+            self.total_tokens = int(self.home_rows_R.sum())
+            sums_R = sequential_sums(self.cost_F, self.src_U, self.counts_R)
+            if history is not None:
+                history_R = torch.frombuffer(array("d", map(float, history)), dtype=torch.float64)
+                sums_R = history_R + sums_R
+            self.loads_before = sums_R.tolist()
+            self.max_before = float(sums_R.max())  # a max is exact in any order
         if self.total_tokens >= 1 << (62 - self.rank_bits):  # they must pack with a rank id
             raise ValueError(
                 f"token counts must sum to less than 2**{62 - self.rank_bits} for "
                 f"{num_ranks} ranks, got {self.total_tokens}"
             )
-        sums_R = sequential_sums(self.cost_F, self.src_U, self.counts_R)
-        if history is not None:
-            sums_R = torch.frombuffer(array("d", map(float, history)), dtype=torch.float64) + sums_R
-        self.loads_before = sums_R.tolist()
         self.total_before = sum(self.loads_before)
-        self.max_before = float(sums_R.max())  # a max is exact in any order
         self.imbalance_before = imbalance_of(self.max_before, self.total_before, num_ranks)
 
     @functools.cached_property
@@ -143,8 +189,10 @@ class Units:
         return [0.0] * self.num_ranks if self.history is None else list(map(float, self.history))
 
     @functools.cached_property
-    def home_rows(self) -> list[int]:
-        return self.home_rows_R.tolist()
+    def largest_float_cost(self) -> float:
+        if self.small:
+            return max(self.float_cost, default=0.0)
+        return float(self.cost_F.max()) if self.num_units else 0.0
 
     # --- fixed point: made only once a plan is needed (skipped steps never pay for it)
 
@@ -158,7 +206,7 @@ class Units:
         if math.isfinite(total):
             exponent = math.frexp(total)[1]
         else:
-            biggest = max(max(self.base), float(self.cost_F.max()))
+            biggest = max(max(self.base), self.largest_float_cost)
             exponent = math.frexp(biggest)[1] + (self.num_units + self.num_ranks).bit_length()
         return 61 - self.rank_bits - exponent
 
@@ -173,6 +221,13 @@ class Units:
         scaled = values_F * 2.0**half * 2.0 ** (self.scale_exp - half)
         return torch.round(scaled).to(torch.int64)
 
+    def to_fixed_list(self, values: Sequence[float]) -> list[int]:
+        """``to_fixed`` in Python: the same two products, rounded half to even as
+        ``torch.round`` rounds."""
+        half = self.scale_exp // 2
+        low, high = repeat(2.0**half), repeat(2.0 ** (self.scale_exp - half))
+        return list(map(round, map(operator.mul, map(operator.mul, values, low), high)))
+
     def to_float(self, value: int) -> float:
         """A fixed-point load in the costs' unit (for the exchange model's seconds)."""
         return math.ldexp(float(value), -self.scale_exp)
@@ -185,6 +240,8 @@ class Units:
     def base_fixed(self) -> list[int]:
         if self.history is None:
             return [0] * self.num_ranks
+        if self.small:
+            return self.to_fixed_list(self.base)
         return self.to_fixed(torch.frombuffer(array("d", self.base), dtype=torch.float64)).tolist()
 
     @functools.cached_property
@@ -194,17 +251,23 @@ class Units:
 
     @functools.cached_property
     def home_loads(self) -> list[int]:
+        if self.small:
+            cost, spans = self.cost, pairwise(self.starts)
+            return [b + sum(cost[x:y]) for b, (x, y) in zip(self.base_fixed, spans, strict=True)]
         return self.home_loads_R.tolist()
 
     @functools.cached_property
     def largest_cost(self) -> int:
+        if self.small:
+            return max(self.cost, default=0)
         return int(self.cost_U.max()) if self.num_units else 0
 
-    # --- every unit as Python lists: for the paths that deal every unit (LPT, the refinement)
+    # --- every unit as Python lists: set by ``__init__`` for small inputs; for large ones made
+    # only for the paths that deal every unit (LPT, the refinement)
 
     @functools.cached_property
     def cost(self) -> list[int]:
-        return self.cost_U.tolist()
+        return self.to_fixed_list(self.float_cost) if self.small else self.cost_U.tolist()
 
     @functools.cached_property
     def tokens(self) -> list[int]:
@@ -214,12 +277,21 @@ class Units:
     def src(self) -> list[int]:
         return self.src_U.tolist()
 
+    @functools.cached_property
+    def home_rows(self) -> list[int]:
+        return self.home_rows_R.tolist()
+
     def by_cost_desc(self) -> list[int]:
-        """Unit ids by cost, descending; ties by (src, idx), i.e. by id (the sort is stable)."""
+        """Unit ids by cost, descending; ties by (src, idx), i.e. by id (the sorts are stable,
+        ``reverse`` too)."""
+        if self.small:
+            return sorted(range(self.num_units), key=self.cost.__getitem__, reverse=True)
         return torch.sort(-self.cost_U, stable=True).indices.tolist()
 
     def keeps_cap_at_home(self, cap: float) -> bool:
-        """Whether the current layout keeps the row cap (``keeps_row_cap``, by tensor ops)."""
+        """Whether the current layout keeps the row cap (``keeps_row_cap``)."""
+        if self.small:
+            return keeps_row_cap(self.home_rows, self.counts, cap)
         return bool(((self.home_rows_R <= cap) | (self.counts_R <= 1)).all())
 
     @functools.cached_property
@@ -274,18 +346,20 @@ def int_tensor(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
-def _flat_tensor(rows, typecode: str, num_units: int) -> torch.Tensor:
-    """All ranks' values in one float64 (``d``) or int64 (``q``) tensor, converted in C: list
-    by list where the ranks are lists, else item by item (``TypeError`` for other values)."""
-    dtype = torch.float64 if typecode == "d" else torch.int64
-    if num_units == 0:
-        return torch.zeros(0, dtype=dtype)
+def _flat(rows, typecode: str) -> array:
+    """All ranks' values in one float64 (``d``) or int64 (``q``) array, converted in C: list by
+    list where the ranks are lists, else item by item (``TypeError`` for other values)."""
     flat = array(typecode)
     try:
         deque(map(flat.fromlist, rows), maxlen=0)
     except TypeError:  # not lists (or not numbers: raised again below)
         flat = array(typecode, chain.from_iterable(rows))
-    return torch.frombuffer(flat, dtype=dtype)
+    return flat
+
+
+def _tensor(flat: array, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor over an array's buffer (``frombuffer`` refuses an empty one)."""
+    return torch.frombuffer(flat, dtype=dtype) if flat else torch.zeros(0, dtype=dtype)
 
 
 def _name_invalid_rank(costs, tokens) -> None:
@@ -301,38 +375,12 @@ def _name_invalid_rank(costs, tokens) -> None:
     raise AssertionError("an invalid input that no rank shows")
 
 
-def row_cap(units: Units, ratio: float | None) -> float:
-    """The most pixel rows a rank may compute (``config.max_len_ratio``); ``math.inf``: no cap.
-
-    ``None`` caps at the fullest rank's current rows: the layout the job already fits in. Rows
-    are integers, so flooring ``mean * ratio`` changes no comparison and keeps row room exact.
-    """
-    if ratio is None:
-        return int(units.home_rows_R.max())
-    if ratio == math.inf:
-        return math.inf
-    return math.floor(units.total_tokens / units.num_ranks * ratio)
-
-
 def keeps_row_cap(rows: Sequence[int], counts: Sequence[int], cap: float) -> bool:
     """No rank above ``cap`` rows, but for ranks holding a single unit."""
     if max(rows) <= cap:  # in C: the usual answer
         return True
     over = compress(counts, map(operator.gt, rows, repeat(cap)))  # still in C
     return all(map(operator.ge, repeat(1), over))
-
-
-def cap_unkeepable(units: Units, cap: float) -> bool:
-    """Whether no assignment at all keeps the cap (``max_len_ratio=1.0`` with no unit above it,
-    typically: the rows exceed ``ranks * floor(mean)``).
-
-    At best the units above the cap sit alone and every other rank is full to the cap, so more
-    rows than that fit in no assignment.
-    """
-    if cap == math.inf:
-        return False
-    excess = int((units.tokens_U - cap).clamp(min=0).sum())
-    return units.total_tokens > cap * units.num_ranks + excess
 
 
 def plan_crossing_rows(plan: Plan, units_R: Sequence[Sequence[tuple[int, int, int]]]):
