@@ -174,7 +174,8 @@ def test_inductor_compiles_balancing_ops_with_the_settings_this_torch_needs(monk
 
     monkeypatch.setattr(torch._dynamo, "lookup_backend", inner)
     make_vitbal_backend(inner="inductor")(gm, [])
-    assert seen["inductor"] == {"config_patches": _compat.INDUCTOR_CONFIG_PATCHES}
+    needed = _compat.INDUCTOR_CONFIG_PATCHES  # none on a torch that needs none (2.8)
+    assert seen["inductor"] == ({"config_patches": needed} if needed else {})
     if hasattr(torch._inductor.config.triton, "mix_order_reduction"):  # torch 2.11's failure
         assert _compat.INDUCTOR_CONFIG_PATCHES == {"triton.mix_order_reduction": False}
     # A user's own inductor options win; other inner backends get theirs untouched.
