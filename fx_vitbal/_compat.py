@@ -36,9 +36,9 @@ def keep_nested_compile_regions() -> None:
 
 # Ops with this tag are kept out of CUDA graphs by inductor's graph partitioning
 # (``mode="reduce-overhead"``): the balancing ops' sizes and collectives change every step, so a
-# replay would reuse the recorded split sizes and skip the status checks. Every supported torch
-# has the tag; the guard keeps a build without it importable.
-CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# replay would reuse the recorded split sizes and skip the status checks. The same on every
+# supported torch (checked on 2.8, 2.13 and 2.15): one name for the three ops.
+CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,)
 
 # Inductor settings a graph holding balancing ops needs, applied by the ``vitbal`` backend to its
 # inner inductor compile. Triton's mix-order reduction (a fusion heuristic, on by default where

@@ -44,7 +44,6 @@ class StepClock:
         self.siblings = siblings
         """The other calls' clocks of the same ViT: their hooks go when this call starts."""
         self.device = torch.device("cpu")
-        self.cuda = False
         self.phase = PLANNED
         self.marks: dict[str, object] = {}
         self.exchanges: list[tuple[object, object]] = []
@@ -58,7 +57,11 @@ class StepClock:
 
     def at(self, device: torch.device) -> None:
         """Take the next marks on ``device``'s clock (its current stream, on CUDA)."""
-        self.device, self.cuda = device, device.type == "cuda"
+        self.device = device
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
     def mark(self) -> object:
         if self.cuda:
