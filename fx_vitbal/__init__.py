@@ -7,6 +7,7 @@ from fx_vitbal.config import BalanceConfig, add_vit_balance_args
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
 from fx_vitbal.encoder import dp_balance_vit_encoder, enable_vit_balance
 from fx_vitbal.integrations import hf  # noqa: F401  (registers its entry point; no transformers import)
+from fx_vitbal.integrations.hf_towers import HFTowerRule, register_hf_tower
 from fx_vitbal.measure import BalanceStats, add_stats_callback
 from fx_vitbal.plan import Plan, solve_plan
 from fx_vitbal.runtime import ops, planning  # noqa: F401  (register the vitbal:: custom ops)
@@ -28,6 +29,8 @@ __all__ = [
     "enable_vit_balance",
     "register_vision_encoder",
     "VisionEncoderSpec",
+    "register_hf_tower",
+    "HFTowerRule",
     # planning ahead, in the data pipeline
     "plan_ahead",
     "use_plan",

@@ -147,7 +147,7 @@ def _planned_module(model, vit, config) -> tuple[nn.Module, tuple[str, int], boo
     else:
         module = find_vit(inner, vit)
     if hasattr(module, "_vitbal_hf"):  # a Hugging Face tower
-        settings = (module._vitbal_hf.planner, module.spatial_merge_size)
+        settings = (module._vitbal_hf.planner, module._vitbal_hf.merge)
     elif plan_node is not None:  # the pass baked them into the graph
         settings = (plan_node.args[3], plan_node.args[2])
     elif "_vitbal_planner" in vars(module) and config is None:

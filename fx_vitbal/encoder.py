@@ -87,19 +87,19 @@ def enable_vit_balance(
     ``torch.compile``) are seen through.
 
     Args:
-        vit: the ViT, or its dotted path in ``model``. Default: ``model`` if its class is
-            registered, else the first submodule named one of ``VIT_CHILD_NAMES``, else the first
-            submodule of a registered class.
+        vit: the ViT, or its dotted path in ``model`` (a Hugging Face VLM's tower too). Default:
+            ``model`` if its class is registered, else the first submodule named one of
+            ``VIT_CHILD_NAMES``, else the first submodule of a registered class.
 
     Raises:
         ValueError: no ViT found.
     """
     inner = unwrap_module(model)
-    if vit is None:  # models of a kind another entry point balances (Hugging Face VLMs)
-        for entry in entry_points():
-            if entry.accepts is not None and entry.accepts(inner):
-                entry.enable(inner, config=config, group=group)
-                return model
+    for entry in entry_points():  # models of a kind another entry point balances (Hugging Face)
+        if entry.accepts is not None and entry.accepts(inner):
+            tower = None if vit is None else find_vit(inner, vit)
+            entry.enable(inner, config=config, group=group, tower=tower)
+            return model
     module = find_vit(inner, vit)
     original = getattr(module, "_vitbal_original_forward", module.forward)
     module._vitbal_original_forward = original

@@ -430,9 +430,12 @@ def test_kimi_is_refused_and_unknown_towers_raise():
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**{k: v for k, v in TEXT.items() if k != "head_dim"})
     )
-    with pytest.raises(TypeError, match="LlamaForCausalLM is not a supported vision tower"):
+    with pytest.raises(
+        TypeError,
+        match="LlamaForCausalLM is not a known Hugging Face vision tower.*register_hf_tower",
+    ):
         hf.enable_hf_vit_balance(llama)
-    with pytest.raises(TypeError, match="not a supported vision tower"):
+    with pytest.raises(TypeError, match="not a known Hugging Face vision tower"):
         hf.enable_hf_vit_balance(torch.nn.Linear(2, 2))
 
 

@@ -3,33 +3,37 @@
 ``enable_hf_vit_balance(model)`` changes two things in place and keeps every parameter, buffer,
 ``state_dict`` key and FSDP unit:
 
-1. The tower's ``forward`` (found with ``model.get_encoder(modality="image")``) becomes
-   plan -> redistribute -> original forward -> restore, returning the tower's own ModelOutput
-   class with ``pooler_output`` (and Qwen3-VL's ``deepstack_features`` list) in the local layout.
+1. The tower's ``forward`` (found with ``model.get_encoder(modality="image")``, or named with
+   ``vit=``) becomes plan -> redistribute -> original forward -> restore, returning the tower's
+   own ModelOutput class with the fields its ``HFTowerRule`` names (``pooler_output``, Qwen3-VL's
+   ``deepstack_features`` list...) in the local layout.
 2. A forward pre-hook on the module that calls the tower (e.g. ``Qwen2VLModel``) encodes images
-   and videos together in **one** tower call, on **every** rank, and hands the features to the
-   parent through its ``mm_encoder_outputs`` argument. Why: HF calls the tower once per modality
-   present, and not at all for text-only samples, so ranks would disagree on the number of
-   collectives and hang. One call per forward on every rank also means one ``restore`` per step,
-   so backward issues its collective exactly once too. A rank without pixels passes its (empty)
-   output as an empty image entry: the parent's ``masked_scatter`` keeps it in the autograd graph,
-   so the backward of ``restore`` (a collective) runs there as well, at the same point as on the
-   other ranks.
+   and videos together in **one** tower call, on **every** rank. Why: HF calls the tower once per
+   modality present, and not at all for text-only samples, so ranks would disagree on the number
+   of collectives and hang. One call per forward on every rank also means one ``restore`` per
+   step, so backward issues its collective exactly once too. Then the parent's own
+   ``get_image_features`` / ``get_video_features`` runs for each modality, its tower call answered
+   by the restored outputs (``_replay``), and hands its result to the parent's forward through
+   ``mm_encoder_outputs``: projectors, resamplers, reshapes and per-image splits run as the
+   family wrote them, on the rank and in the order the images came from. A rank without pixels
+   passes its (empty) tower output as an empty image entry: the parent's ``masked_scatter``
+   keeps it in the autograd graph, so the backward of ``restore`` (a collective) runs there as
+   well, at the same point as on the other ranks.
 
 Balancing is active with more than one rank while the tower trains (or always, with
 ``BalanceConfig(when="always")``); otherwise (``generate``, where ranks take different numbers of
 steps) the tower runs unchanged and issues no collective.
-The balanced tower returns ``last_hidden_state=None`` (no parent reads it; restoring it would
-more than double the return traffic), and rejects ``output_hidden_states`` /
-``output_attentions``. Precomputed per-batch kwargs (``cu_seqlens``, ``window_index``, ...) are
-dropped: they describe the unbalanced batch, and the tower recomputes them from its grid.
+The balanced tower returns the fields its rule names and None for the rest (restoring
+``last_hidden_state`` where no parent reads it would more than double the return traffic), and
+rejects ``output_hidden_states`` / ``output_attentions``. Precomputed per-batch kwargs
+(``cu_seqlens``, ``window_index``, ...) are dropped: they describe the unbalanced batch, and the
+tower recomputes them from its grid.
 """
 
 import dataclasses
 import functools
 import inspect
 import sys
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -38,10 +42,11 @@ from torch import nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.static import ArchitectureCost
+from fx_vitbal.integrations.hf_towers import HFTowerRule, hf_tower_rule, known_tower_names
 from fx_vitbal.runtime.call import run_balanced
 from fx_vitbal.runtime.metadata import PROBLEMS, describe_problem
 from fx_vitbal.runtime.settings import active_group, layout_token, planner_spec_for
-from fx_vitbal.runtime.vits import EntryPoint, register_entry_point
+from fx_vitbal.runtime.vits import EntryPoint, is_vision_encoder_class, register_entry_point
 
 # Popped by transformers.vision_utils helpers; they describe the pre-balance packed batch.
 PRECOMPUTED_KWARGS = (
@@ -65,65 +70,12 @@ _MODALITIES = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class TowerRule:
-    """What balancing must know about one tower class beyond its config.
-
-    Every supported tower has the same contract: ``forward(pixels, grid_thw)``, pixel rows
-    ``t*h*w``, ``pooler_output`` (and each ``deepstack_features`` entry) ``t*h*w/merge**2`` rows in
-    grid order, attention, positions and windows per frame (so frames may be computed on
-    different ranks, exactly). Window attention (``fullatt_block_indexes``) and deepstack mergers
-    (``deepstack_visual_indexes``) are read from the config.
-    """
-
-    family: str
-    dims: Callable[[object], tuple[int, int, int]]
-    """``config -> (block width, MLP width, output width)`` for the cost model."""
-    gated_mlp: bool
-    one_frame_rows: bool = False
-    """The tower fails on grid rows with ``t > 1`` (GLM): videos are fed one row per frame."""
-
-
 class _Balance(NamedTuple):
     config: BalanceConfig
     group: dist.ProcessGroup | None
     planner: str
-    rule: TowerRule
-
-
-def _qwen2_dims(c):
-    return c.embed_dim, int(c.embed_dim * c.mlp_ratio), c.hidden_size
-
-
-def _qwen_dims(c):
-    return c.hidden_size, c.intermediate_size, c.out_hidden_size
-
-
-def _glm_dims(c):  # Glm4vVisionMlp's hidden width is out_hidden_size (modeling_glm4v.py)
-    return c.hidden_size, c.out_hidden_size, c.out_hidden_size
-
-
-SUPPORTED_TOWERS: dict[str, TowerRule] = {
-    "Qwen2VisionTransformerPretrainedModel": TowerRule("Qwen2-VL", _qwen2_dims, False),
-    "Qwen2_5_VisionTransformerPretrainedModel": TowerRule("Qwen2.5-VL, MiMo-VL", _qwen_dims, True),
-    "Qwen2_5OmniVisionEncoder": TowerRule("Qwen2.5-Omni", _qwen_dims, True),
-    "Qwen3VLVisionModel": TowerRule("Qwen3-VL", _qwen_dims, False),
-    "Qwen3VLMoeVisionModel": TowerRule("Qwen3-VL-MoE", _qwen_dims, False),
-    "Qwen3OmniMoeVisionEncoder": TowerRule("Qwen3-Omni-MoE", _qwen_dims, False),
-    "Qwen3_5VisionModel": TowerRule("Qwen3.5", _qwen_dims, False),
-    "Qwen3_5MoeVisionModel": TowerRule("Qwen3.5-MoE", _qwen_dims, False),
-    "Glm4vVisionModel": TowerRule("GLM-4.1V, GLM-4.6V", _glm_dims, True, one_frame_rows=True),
-    "Glm4vMoeVisionModel": TowerRule("GLM-4.5V", _glm_dims, True, one_frame_rows=True),
-    "GlmOcrVisionModel": TowerRule("GLM-OCR", _qwen_dims, True, one_frame_rows=True),
-}
-"""Supported tower class names (transformers 5.x) and their rules."""
-
-REFUSED_TOWERS: dict[str, str] = {
-    "Kimi_K25VisionModel": (
-        "Kimi-K2.5's MoonViT attends across the frames of a clip and averages them, and its "
-        "pooler rows are (h/2)*(w/2) blocks of shape (4, C), not t*h*w/4 rows"
-    ),
-}
+    rule: HFTowerRule
+    merge: int
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -137,28 +89,25 @@ def enable_hf_vit_balance(
     *,
     config: BalanceConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    tower: nn.Module | None = None,
 ) -> nn.Module:
     """Balance the vision tower of an HF VLM (or the tower itself) in place; returns ``model``.
 
     With a parent model, a normal training step (``model(**batch)``, loss, backward) is balanced
     with no other change, including ranks without images. With a bare tower, every rank must
     call it at the same steps (with ``[0, C]`` pixels and a ``[0, 3]`` grid when it has none).
-    Calling it again updates config and group.
+    ``tower``: the tower when ``model.get_encoder(modality="image")`` does not find it. Calling
+    it again updates config and group.
 
     Raises:
-        TypeError: the tower is unknown, or refused (Kimi-K2.5; see ``REFUSED_TOWERS``).
+        TypeError: the tower's class has no rule (``register_hf_tower``) or is refused.
         ValueError: the parent does not accept ``mm_encoder_outputs``.
     """
     config = config or BalanceConfig()
-    tower = model
-    if (
-        hasattr(model, "get_encoder")
-        and _class_name(model) not in SUPPORTED_TOWERS | REFUSED_TOWERS
-    ):
-        tower = model.get_encoder(modality="image")
-    rule = tower_rule(tower)
-    planner = planner_spec_for(config, architecture_cost(tower), frame_independent=True)
-    tower._vitbal_hf = _Balance(config, group, planner, rule)
+    tower = tower if tower is not None else _find_tower(model)
+    rule = _rule_of(tower)
+    planner = planner_spec_for(config, architecture_cost(tower), rule.frames_independent)
+    tower._vitbal_hf = _Balance(config, group, planner, rule, rule.merge_size(tower))
     layout_token(tower)  # made now, so graphs traced later read it as a constant
     original = getattr(tower, "_vitbal_original_forward", tower.forward)
     tower._vitbal_original_forward = original
@@ -176,46 +125,57 @@ def enable_hf_vit_balance(
     return model
 
 
-def tower_rule(tower: nn.Module) -> TowerRule:
-    """The ``SUPPORTED_TOWERS`` rule of ``tower``'s class.
+def _find_tower(model: nn.Module) -> nn.Module:
+    """``model`` if its class has a tower rule (or is refused), else its image encoder."""
+    try:
+        hf_tower_rule(type(model))
+    except TypeError as error:
+        if "cannot be balanced" in str(error) or not hasattr(model, "get_encoder"):
+            raise
+        return model.get_encoder(modality="image")
+    return model
 
-    Raises:
-        TypeError: refused or unknown class. The name matched is that of the first transformers
-            class in the MRO, so wrappers like FSDP2's ``FSDP<name>`` classes are seen through.
-    """
-    name = _class_name(tower)
-    if name in REFUSED_TOWERS:
-        raise TypeError(f"{name} cannot be balanced: {REFUSED_TOWERS[name]}")
-    if name not in SUPPORTED_TOWERS:
+
+def _rule_of(tower: nn.Module) -> HFTowerRule:
+    """``hf_tower_rule``, telling a tower declared for the other contract what to do instead."""
+    try:
+        return hf_tower_rule(type(tower))
+    except TypeError:
+        if not is_vision_encoder_class(type(tower)):
+            raise
         raise TypeError(
-            f"{type(tower).__qualname__} is not a supported vision tower; supported: "
-            f"{', '.join(SUPPORTED_TOWERS)}"
-        )
-    return SUPPORTED_TOWERS[name]
+            f"{type(tower).__qualname__} is a Hugging Face tower, declared with "
+            "register_vision_encoder: that contract returns (embeddings, window_index, "
+            "deepstack), this tower a ModelOutput; declare it with fx_vitbal.register_hf_tower"
+            "(cls, dims=..., frames_independent=...) instead"
+        ) from None
 
 
 def architecture_cost(tower: nn.Module) -> ArchitectureCost:
-    """The FLOP cost model of a supported tower, from its config."""
-    c, rule = tower.config, tower_rule(tower)
+    """The FLOP cost model of a tower with a rule, from its config."""
+    c, rule = tower.config, hf_tower_rule(type(tower))
     hidden, mlp_hidden, out_dim = rule.dims(c)
     full = getattr(c, "fullatt_block_indexes", None)  # Qwen2.5-VL: the rest attend in windows
     return ArchitectureCost(
         hidden=hidden,
         mlp_hidden=mlp_hidden,
-        depth=c.depth,
-        in_dim=c.in_channels * c.temporal_patch_size * c.patch_size**2,
+        depth=rule.depth(c),
+        in_dim=rule.pixel_width(c),
         out_dim=out_dim,
-        spatial_merge_size=c.spatial_merge_size,
+        spatial_merge_size=rule.merge_size(tower),
         full_attention_layers=None if full is None else len(full),
         window_patches=None if full is None else (c.window_size // c.patch_size) ** 2,
-        per_frame=True,
+        per_frame=rule.frames_independent,
         gated_mlp=rule.gated_mlp,
         num_mergers=1 + len(getattr(c, "deepstack_visual_indexes", None) or ()),
     )
 
 
 def _balanced_forward(tower, original, hidden_states, grid_thw, vitbal_problem=0, **kwargs):
-    config, group, planner, _ = tower._vitbal_hf
+    replay = tower.__dict__.get("_vitbal_replay")
+    if replay is not None:  # the parent's feature code, run on restored outputs (_replay)
+        return _replayed(tower, replay, hidden_states, kwargs.get("return_dict", True))
+    config, group, planner, rule, merge = tower._vitbal_hf
     dist_info = active_group(tower, config, group)
     if dist_info is None:
         return original(hidden_states, grid_thw=grid_thw, **kwargs)
@@ -230,9 +190,8 @@ def _balanced_forward(tower, original, hidden_states, grid_thw, vitbal_problem=0
 
     def run(pixels, grid):
         out = original(pixels, grid_thw=grid, return_dict=True, **kwargs)
-        return [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())], out
+        return [t for name in rule.outputs for t in _listed(out[name])], out
 
-    merge = tower.spatial_merge_size
     if problem:  # only the plan runs: the tower never sees these pixels
         hidden_states = hidden_states.new_empty(0, *hidden_states.shape[1:])
         grid_thw = torch.zeros(0, 3, dtype=torch.long, device=hidden_states.device)
@@ -241,21 +200,97 @@ def _balanced_forward(tower, original, hidden_states, grid_thw, vitbal_problem=0
     )
     if problem:  # (compiled: the plan's empty output keeps the op in the graph)
         return out
-    fields = {"pooler_output": outputs[0]}
-    if "deepstack_features" in out:
-        fields["deepstack_features"] = list(outputs[1:])
-    result = type(out)(last_hidden_state=None, **fields)
-    return result if return_dict else (None, *result.to_tuple())
+    fields = {}
+    for name in rule.outputs:
+        count = len(out[name]) if isinstance(out[name], (list, tuple)) else 1
+        taken, outputs = outputs[:count], outputs[count:]
+        fields[name] = list(taken) if isinstance(out[name], (list, tuple)) else taken[0]
+    result = _output(out, fields)
+    return result if return_dict else _as_tuple(result)
+
+
+def _listed(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _as_tuple(out) -> tuple:
+    """``return_dict=False``'s tuple with each field at its place: ``to_tuple`` drops the None
+    fields, and a restored output has no ``last_hidden_state`` in front of its pooler."""
+    values = [getattr(out, field.name) for field in dataclasses.fields(out)]
+    while values and values[-1] is None:
+        values.pop()
+    return tuple(values)
+
+
+def _output(like, fields: dict):
+    """A ModelOutput of ``like``'s class holding only ``fields`` (every other field None)."""
+    return type(like)(**{"last_hidden_state": None, **fields})
+
+
+def _rows(out, fields: tuple[str, ...], start: int, stop: int, pixel_rows: int, merge2: int):
+    """``out``'s ``fields`` restricted to the pixel rows ``start:stop`` of a call of
+    ``pixel_rows`` rows: each field (or list entry) has one row per pixel row or one per
+    ``merge2`` (merged), told apart by its length. No host read: the bounds are row counts."""
+
+    def take(x):
+        per = 1 if x.shape[0] == pixel_rows else merge2
+        return x[start // per : stop // per]
+
+    return _output(
+        out,
+        {
+            name: [take(x) for x in out[name]] if isinstance(out[name], list) else take(out[name])
+            for name in fields
+        },
+    )
+
+
+@torch.compiler.disable
+def _replay(owner, tower, method: str, pixels, grid, restored, extra: dict):
+    """``owner.<method>(pixels, grid)`` (``get_image_features``...) with its tower call answered
+    by ``restored``, the balanced tower's outputs for exactly these pixels: projectors,
+    resamplers and per-image splits run as the parent wrote them.
+
+    Never compiled: the parent's feature code reads split sizes on the host (a graph break
+    anyway), and the ``vitbal`` backend must only see a parent's feature code when the parent
+    was not wrapped (it refuses those graphs).
+
+    Raises:
+        RuntimeError: the method did not call the tower exactly once (it cannot be replayed).
+    """
+    tower._vitbal_replay = [restored, pixels.shape[0]]
+    try:
+        return getattr(owner, method)(pixels, grid, return_dict=True, **extra)
+    finally:
+        pending = tower.__dict__.pop("_vitbal_replay")
+        if pending[0] is not None:
+            raise RuntimeError(
+                f"{type(owner).__qualname__}.{method} never called its vision tower: its features "
+                "cannot be computed from the balanced tower's outputs"
+            )
+
+
+def _replayed(tower, replay: list, pixels, return_dict: bool):
+    restored, rows = replay
+    if restored is None or pixels.shape[0] != rows:
+        raise RuntimeError(
+            f"a feature method called {type(tower).__qualname__} twice, or on other pixels "
+            f"({pixels.shape[0]} rows, balanced {rows}): it cannot be replayed on the balanced "
+            "tower's outputs"
+        )
+    replay[0] = None
+    return restored if return_dict else _as_tuple(restored)
 
 
 def _encode_before_parent(tower, params, module, args, kwargs):
-    """Encode this rank's images and videos in one balanced tower call (see the module doc).
+    """Encode this rank's images and videos in one balanced tower call, then run the parent's
+    own feature code of each modality on their restored outputs (see the module doc).
 
     When balancing is not active (eval mode, one rank) the same single tower call runs plainly
-    on ranks that have pixels, so a wrapped parent never reaches its own ``get_image_features``:
-    the ``vitbal`` backend refuses graphs that do (an unwrapped VLM).
+    on ranks that have pixels, so a wrapped parent never reaches its own feature code except
+    through here: the ``vitbal`` backend refuses graphs that do (an unwrapped VLM).
     """
-    config, group, _, rule = tower._vitbal_hf
+    config, group, _, rule, merge = tower._vitbal_hf
     active = active_group(tower, config, group) is not None
     kwargs = {**dict(zip(params[: len(args)], args, strict=True)), **kwargs}
     if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):
@@ -268,24 +303,29 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     problem = problem or mixed
     if problem and not active:  # no collective to keep: this rank alone raises
         raise ValueError(f"vit dp balance: {describe_problem(problem)}")
-    # Each image's rows, for the per-image split the parent expects: read before the tower, so
-    # the read never waits for it (one read for every modality).
-    merge2 = tower.spatial_merge_size**2
-    sound = parts and all(_is_integer_grid(p[2]) for p in parts)  # else the plan raises
-    counts = [p[2].shape[0] if sound else 0 for p in parts]
-    sizes = torch.cat([p[2].prod(-1) // merge2 for p in parts]).tolist() if sound else []
     out = tower(pixels, grid_thw=grid, vitbal_problem=problem)
+    # What the parent's forward passes its feature methods besides pixels and grid.
+    extra = {k: v for k, v in kwargs.items() if k not in params}
     features, start = {}, 0
-    for (modality, _, _, _), count in zip(parts, counts, strict=True):
-        mine, sizes = sizes[:count], sizes[count:]
-        features[modality] = _rows(out, start, mine)
-        start += sum(mine)
+    for modality, part_pixels, part_grid, _ in parts:
+        stop = start + part_pixels.shape[0]
+        restored = _rows(out, rule.outputs, start, stop, pixels.shape[0], merge**2)
+        method = f"get_{modality}_features"
+        features[modality] = _replay(module, tower, method, part_pixels, part_grid, restored, extra)
+        start = stop
     if not parts:  # the empty entry ties this rank's output into the graph (module doc, 2.)
-        features["image"] = _rows(out, 0, [0])
+        features["image"] = _output(out, {n: _split_empty(out[n]) for n in rule.outputs})
     return (), {**kwargs, "mm_encoder_outputs": features}
 
 
-def _tower_parts(tower, rule: TowerRule, kwargs: dict) -> list[tuple]:
+def _split_empty(value):
+    """An empty output as ``get_image_features`` returns it: one (empty) tensor per image."""
+    if isinstance(value, list):
+        return [(x,) for x in value]
+    return (value,)
+
+
+def _tower_parts(tower, rule: HFTowerRule, kwargs: dict) -> list[tuple]:
     """``(modality, pixels, grid as given, grid as fed to the tower)`` of each modality present,
     popped from ``kwargs``, pixels in the tower's dtype."""
     parts = []
@@ -306,8 +346,7 @@ def _tower_batch(tower, parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor,
         pixels = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         grid = torch.cat([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
         return pixels, grid, 0
-    c = tower.config
-    width = c.in_channels * c.temporal_patch_size * c.patch_size**2
+    width = tower._vitbal_hf.rule.pixel_width(tower.config)
     pixels = torch.zeros(0, width, dtype=tower.dtype, device=tower.device)
     return pixels, torch.zeros(0, 3, dtype=torch.long, device=tower.device), problem
 
@@ -333,19 +372,6 @@ def plan_input(module, pixel_values, image_grid_thw, pixel_values_videos, video_
     return pixels, grid
 
 
-def _rows(out, start, sizes):
-    """``out`` restricted to rows ``start:start+sum(sizes)``, split per image like
-    ``get_image_features`` does (Qwen3-VL: ``deepstack_features`` a list of per-image tuples)."""
-
-    def take(x):
-        return x[start : start + sum(sizes)].split(sizes)
-
-    fields = {"pooler_output": take(out.pooler_output)}
-    if "deepstack_features" in out:
-        fields["deepstack_features"] = [take(d) for d in out.deepstack_features]
-    return type(out)(**fields)
-
-
 def _is_integer_grid(grid) -> bool:
     """A grid ``_one_frame_rows`` can split; any other reaches the plan as given, which then
     raises its error on every rank."""
@@ -359,21 +385,13 @@ def _one_frame_rows(grid):
     return torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
 
 
-def _class_name(module: nn.Module) -> str:
-    for cls in type(module).__mro__:
-        if cls.__module__.startswith("transformers."):
-            return cls.__name__
-    return type(module).__name__
-
-
 def tower_files() -> dict[str, str]:
-    """The modeling files of the supported towers imported so far -> their class name."""
-    files = {}
+    """The modeling files of the towers with a rule imported so far -> their class name."""
+    files, names = {}, known_tower_names()
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith("transformers.models."):
-            for name in SUPPORTED_TOWERS:
-                if hasattr(module, name):
-                    files[inspect.getsourcefile(getattr(module, name))] = name
+            for name in names & set(vars(module)):
+                files[inspect.getsourcefile(getattr(module, name))] = name
     return files
 
 

@@ -4,7 +4,9 @@ Balancing is exact only if the ViT keeps two promises: every unit (grid row) get
 depend only on its own pixel rows, and, when frames are declared independent, every frame of a
 video gets outputs that depend only on that frame. ``check_vision_encoder`` runs a copy of the
 ViT on a random mixed batch, then on each unit and each frame alone, and names what differs. It
-runs in one process and never touches the user's module.
+runs in one process and never touches the user's module. A Hugging Face tower is checked through
+its ``HFTowerRule``: the fields the rule restores are its outputs, and the rule's merge size,
+pixel width and frame independence are the defaults.
 """
 
 import copy
@@ -14,7 +16,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from fx_vitbal.runtime.vits import plain_forward, regenerate_window_index, vision_encoder_spec
+from fx_vitbal.integrations.hf import is_hf_model
+from fx_vitbal.integrations.hf_towers import HFTowerRule, hf_tower_rule
+from fx_vitbal.runtime.vits import (
+    plain_forward,
+    regenerate_window_index,
+    unwrap_module,
+    vision_encoder_spec,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,8 +107,14 @@ def check_vision_encoder(
         ValueError: a grid row is not positive or h, w are not multiples of the merge size; or,
             with ``raise_on_failure``, a promise is broken (the message is the report).
     """
-    spec = vision_encoder_spec(vit)  # unregistered: frames not independent
-    m = spec.merge_size(vit)
+    rule = _hf_rule(vit)
+    if rule is not None:
+        m, declared = rule.merge_size(unwrap_module(vit)), rule.frames_independent
+        if in_dim is None:
+            in_dim = rule.pixel_width(unwrap_module(vit).config)
+    else:
+        spec = vision_encoder_spec(vit)  # unregistered: frames not independent
+        m, declared = spec.merge_size(vit), spec.frame_independent
     if in_dim is None:
         in_dim = getattr(getattr(vit, "config", None), "in_dim", None)
     if in_dim is None:
@@ -109,7 +124,7 @@ def check_vision_encoder(
         )
     grids = _default_grids(m) if grids is None else _checked_grids(grids, m)
     if frame_independent is None:
-        frame_independent = spec.frame_independent
+        frame_independent = declared
     with torch.no_grad():
         model, pixels = _copy_for_check(vit, grids, in_dim, seed)
         checker = _Checker(model=model, m=m, atol=atol, rtol=rtol)
@@ -266,8 +281,23 @@ def _check(
     return layouts
 
 
+def _hf_rule(vit: nn.Module) -> HFTowerRule | None:
+    """The rule of a Hugging Face tower (None for other ViTs).
+
+    Raises:
+        TypeError: a Hugging Face tower without a rule (the message names the registry).
+    """
+    inner = unwrap_module(vit)
+    return hf_tower_rule(type(inner)) if is_hf_model(inner) else None
+
+
 def _call(model: nn.Module, pixels: Tensor, grid_thw: Tensor) -> tuple:
     # A ViT wrapped by enable_vit_balance would start collectives: call the plain forward.
+    rule = _hf_rule(model)
+    if rule is not None:  # the fields the rule restores, as the contract's triple
+        out = plain_forward(model)(pixels, grid_thw=grid_thw, return_dict=True)
+        values = [x for name in rule.outputs for x in _listed(out[name])]
+        return values[0], None, values[1:]
     result = plain_forward(model)(pixels, grid_thw)
     if not (isinstance(result, tuple | list) and len(result) == 3):
         raise TypeError(
@@ -275,6 +305,10 @@ def _call(model: nn.Module, pixels: Tensor, grid_thw: Tensor) -> tuple:
             f"(pixel_embeds, window_index, deepstack), got {type(result).__qualname__}"
         )
     return result
+
+
+def _listed(value) -> list:
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _copy_for_check(

@@ -1,0 +1,145 @@
+"""Which Hugging Face vision towers can be balanced, and what balancing must know of each: an
+open registry of rules (``register_hf_tower``), matched through the tower class's MRO.
+
+Why a rule and not inference: what the tower computes is not visible from its outputs. Whether a
+video's frames may be computed on different ranks (a tower attending across the frames of a clip
+gives silently wrong results if they are split), which output fields its parent reads, and where
+its config keeps the dimensions the cost model needs all differ between families. The rules
+shipped here are keyed by class name, so this module never imports transformers; classes users
+register are keyed by the class itself. Either way a subclass inherits its base's rule.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import nn
+
+
+def _patch_width(c) -> int:
+    return c.in_channels * c.temporal_patch_size * c.patch_size**2
+
+
+def _merge_attribute(tower: nn.Module) -> int:
+    return tower.spatial_merge_size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFTowerRule:
+    """What balancing must know about one tower class.
+
+    Every balanced tower keeps the Qwen contract: ``forward(pixels, grid_thw=grid)`` with one
+    pixel row per patch (``t*h*w`` per grid row), returning a ModelOutput whose restored fields
+    have, per grid row, ``t*h*w`` rows or ``t*h*w / merge**2`` rows, in grid order. The parent's
+    own ``get_image_features`` / ``get_video_features`` then runs on the restored outputs, so
+    projectors, resamplers and splits are never the rule's business.
+    """
+
+    family: str
+    """Who uses the tower, for messages and docs."""
+    dims: Callable[[object], tuple[int, int, int]]
+    """``vision config -> (block width, MLP width, output width)`` for the cost model."""
+    gated_mlp: bool = False
+    depth: Callable[[object], int] = lambda c: c.depth
+    """``vision config -> number of blocks``."""
+    pixel_width: Callable[[object], int] = _patch_width
+    """``vision config -> values per pixel row`` (a rank without pixels sends rows this wide)."""
+    merge_size: Callable[[nn.Module], int] = _merge_attribute
+    """``tower -> spatial merge size``."""
+    frames_independent: bool = False
+    """Every frame is encoded on its own (attention, positions, windows per frame), so a video's
+    frames may be computed on different ranks. False moves each clip whole: the safe default,
+    since declaring it wrongly gives silently wrong outputs and gradients."""
+    one_frame_rows: bool = False
+    """The tower fails on grid rows with ``t > 1`` and its parent feeds videos one row per frame
+    (GLM): balancing feeds them the same way."""
+    outputs: tuple[str, ...] = ("pooler_output",)
+    """The output fields restored to their home rank (what the parent's feature code reads);
+    a list field (Qwen3-VL's ``deepstack_features``) is restored entry by entry. Fields not
+    named come back as None."""
+
+
+_BY_CLASS: dict[type, HFTowerRule] = {}
+
+
+def register_hf_tower(cls: type, **fields) -> type:
+    """Declare a Hugging Face vision tower class balanceable (and its subclasses) with the
+    ``HFTowerRule`` these fields make (``family`` defaults to the class name); returns ``cls``.
+    A class registered here wins over a shipped rule for it or its bases.
+
+    Raises:
+        TypeError: a field ``HFTowerRule`` does not have, or ``dims`` missing.
+    """
+    _BY_CLASS[cls] = HFTowerRule(**{"family": cls.__name__, **fields})
+    return cls
+
+
+def _qwen2_dims(c):
+    return c.embed_dim, int(c.embed_dim * c.mlp_ratio), c.hidden_size
+
+
+def _qwen_dims(c):
+    return c.hidden_size, c.intermediate_size, c.out_hidden_size
+
+
+def _glm_dims(c):  # Glm4vVisionMlp's hidden width is out_hidden_size (modeling_glm4v.py)
+    return c.hidden_size, c.out_hidden_size, c.out_hidden_size
+
+
+_QWEN = dict(dims=_qwen_dims, frames_independent=True)
+_QWEN3 = dict(_QWEN, outputs=("pooler_output", "deepstack_features"))
+_GLM = dict(dims=_glm_dims, gated_mlp=True, frames_independent=True, one_frame_rows=True)
+
+SHIPPED_RULES: dict[str, HFTowerRule] = {
+    "Qwen2VisionTransformerPretrainedModel": HFTowerRule(
+        family="Qwen2-VL", dims=_qwen2_dims, frames_independent=True
+    ),
+    "Qwen2_5_VisionTransformerPretrainedModel": HFTowerRule(
+        family="Qwen2.5-VL, MiMo-VL", gated_mlp=True, **_QWEN
+    ),
+    "Qwen2_5OmniVisionEncoder": HFTowerRule(family="Qwen2.5-Omni", gated_mlp=True, **_QWEN),
+    "Qwen3VLVisionModel": HFTowerRule(family="Qwen3-VL", **_QWEN3),
+    "Qwen3VLMoeVisionModel": HFTowerRule(family="Qwen3-VL-MoE", **_QWEN3),
+    "Qwen3OmniMoeVisionEncoder": HFTowerRule(family="Qwen3-Omni-MoE", **_QWEN3),
+    "Qwen3_5VisionModel": HFTowerRule(family="Qwen3.5", **_QWEN),
+    "Qwen3_5MoeVisionModel": HFTowerRule(family="Qwen3.5-MoE", **_QWEN),
+    "Glm4vVisionModel": HFTowerRule(family="GLM-4.1V, GLM-4.6V", **_GLM),
+    "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", **_GLM),
+    "GlmOcrVisionModel": HFTowerRule(family="GLM-OCR", **dict(_GLM, dims=_qwen_dims)),
+}
+"""The towers of transformers 5.x this package ships rules for, by class name."""
+
+REFUSED_TOWERS: dict[str, str] = {
+    "Kimi_K25VisionModel": (
+        "Kimi-K2.5's MoonViT attends across the frames of a clip and averages them, and its "
+        "pooler rows are (h/2)*(w/2) blocks of shape (4, C), not t*h*w/4 rows"
+    ),
+}
+"""Tower classes that cannot be balanced, and why."""
+
+
+def hf_tower_rule(cls: type) -> HFTowerRule:
+    """The rule of a tower class: the first class in its MRO registered by
+    ``register_hf_tower``, or shipped (transformers classes, by name), or refused.
+
+    Raises:
+        TypeError: refused, or no rule anywhere in the MRO (the message names the registry).
+    """
+    for base in cls.__mro__:
+        if base in _BY_CLASS:
+            return _BY_CLASS[base]
+        if not base.__module__.startswith("transformers."):
+            continue
+        if base.__name__ in REFUSED_TOWERS:
+            raise TypeError(f"{base.__name__} cannot be balanced: {REFUSED_TOWERS[base.__name__]}")
+        if base.__name__ in SHIPPED_RULES:
+            return SHIPPED_RULES[base.__name__]
+    raise TypeError(
+        f"{cls.__qualname__} is not a known Hugging Face vision tower: if it keeps the contract "
+        "fx_vitbal.HFTowerRule describes, declare it with fx_vitbal.register_hf_tower(cls, "
+        "dims=..., frames_independent=...); shipped: " + ", ".join(SHIPPED_RULES)
+    )
+
+
+def known_tower_names() -> set[str]:
+    """Class names of the towers with a rule (shipped or registered), for the compile backend."""
+    return set(SHIPPED_RULES) | {cls.__name__ for cls in _BY_CLASS}
