@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 import fx_vitbal  # noqa: E402
 from fx_vitbal.config import BalanceConfig  # noqa: E402
 from fx_vitbal.cost import ArchitectureCost  # noqa: E402
-from fx_vitbal.integrations import hf  # noqa: E402
+from fx_vitbal.integrations import hf, hf_towers  # noqa: E402
+from fx_vitbal.runtime import vits  # noqa: E402
 from fx_vitbal.runtime.settings import parse_planner_spec  # noqa: E402
 
 TEXT = dict(
@@ -437,6 +438,65 @@ def test_kimi_is_refused_and_unknown_towers_raise():
         hf.enable_hf_vit_balance(llama)
     with pytest.raises(TypeError, match="not a known Hugging Face vision tower"):
         hf.enable_hf_vit_balance(torch.nn.Linear(2, 2))
+
+
+def test_an_unknown_tower_works_once_registered_with_register_hf_tower(monkeypatch):
+    qwen2 = importlib.import_module("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    tower_cls = qwen2.Qwen2VisionTransformerPretrainedModel
+    monkeypatch.delitem(hf_towers.SHIPPED_RULES, tower_cls.__name__)  # as a tower nobody knew
+    model = build_parent("qwen2_vl")
+    batch = make_batch("qwen2_vl", 0, 0, _pixel_width(model.get_encoder(modality="image")))
+    want = model(**batch).logits
+    with pytest.raises(TypeError, match="not a known Hugging Face vision tower.*register_hf_tower"):
+        fx_vitbal.enable_vit_balance(model)
+    monkeypatch.setitem(hf_towers._BY_CLASS, tower_cls, None)  # restored after the test
+    fx_vitbal.register_hf_tower(
+        tower_cls, dims=lambda c: (c.embed_dim, 2 * c.embed_dim, c.hidden_size)
+    )
+    fx_vitbal.enable_vit_balance(model)
+    tower = model.get_encoder(modality="image")
+    assert tower._vitbal_hf.rule.family == tower_cls.__name__
+    assert not tower._vitbal_hf.rule.frames_independent  # the safe default: clips move whole
+    torch.testing.assert_close(model(**batch).logits, want, rtol=0, atol=0)
+
+
+def test_a_tower_declared_with_register_vision_encoder_is_told_to_use_register_hf_tower(
+    monkeypatch,
+):
+    qwen2 = importlib.import_module("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    tower_cls = qwen2.Qwen2VisionTransformerPretrainedModel
+    monkeypatch.delitem(hf_towers.SHIPPED_RULES, tower_cls.__name__)
+    monkeypatch.setitem(vits._REGISTRY, tower_cls, None)  # restored after the test
+    fx_vitbal.register_vision_encoder(tower_cls, frame_independent=True)
+    with pytest.raises(TypeError, match="declared with register_vision_encoder.*register_hf_tower"):
+        fx_vitbal.enable_vit_balance(build_parent("qwen2_vl"))
+
+
+def test_vit_names_a_hugging_face_tower():
+    model = build_parent("qwen2_vl")
+    batch = make_batch("qwen2_vl", 0, 0, _pixel_width(model.get_encoder(modality="image")))
+    want = model(**batch).logits
+    fx_vitbal.enable_vit_balance(model, vit="model.visual")
+    assert model.model.visual._vitbal_hf.rule.family == "Qwen2-VL"
+    torch.testing.assert_close(model(**batch).logits, want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="Qwen2VLTextModel is not a known Hugging Face vision"):
+        fx_vitbal.enable_vit_balance(build_parent("qwen2_vl"), vit="model.language_model")
+
+
+def test_check_vision_encoder_checks_a_hugging_face_tower_through_its_rule():
+    qwen3 = build_parent("qwen3_vl").get_encoder(modality="image").eval()
+    report = fx_vitbal.check_vision_encoder(qwen3)  # width, merge size, frames: from the rule
+    assert report.ok and report.frame_independent, str(report)
+    assert report.layouts == {
+        "embeddings": "merged",
+        "deepstack[0]": "merged",
+        "deepstack[1]": "merged",
+    }
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{k: v for k, v in TEXT.items() if k != "head_dim"})
+    )
+    with pytest.raises(TypeError, match="register_hf_tower"):
+        fx_vitbal.check_vision_encoder(llama)
 
 
 def test_without_process_group_is_plain_and_keeps_the_model():

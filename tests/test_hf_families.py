@@ -1,0 +1,123 @@
+"""Coverage of Hugging Face VLM families: every family of the installed transformers whose
+modeling code uses ``grid_thw`` is balanced exactly on 2 gloo ranks, or refused when it is
+wrapped. A family the walk finds without an entry in ``FAMILIES`` fails, so a new transformers
+release is checked as soon as the pin is raised.
+
+Exact means: logits and all-reduced gradients equal the unbalanced run's, images really moved,
+and videos went through where the family takes them. One pair of ranks runs every family in
+turn (each family costs its modeling module's import and a few tiny steps).
+"""
+
+import importlib
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import record_moves, run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+from hf_families import FAMILIES, Exact, Refused  # noqa: E402
+
+import fx_vitbal  # noqa: E402
+
+# (images, videos) per rank and step. Step 0: rank 0 heavy, rank 1 a thumbnail (units move to
+# it); step 1: rank 1 text-only (it still takes part, and runs backward's collective).
+STEPS = [
+    [([(1, 16, 12), (1, 8, 8)], [(2, 8, 8)]), ([(1, 4, 4)], [])],
+    [([(1, 12, 12), (1, 4, 8)], []), ([], [])],
+]
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def grid_thw_families() -> set[str]:
+    """Model types of the installed transformers whose modeling code uses ``grid_thw``."""
+    models = pathlib.Path(transformers.__file__).parent / "models"
+    return {
+        path.parent.name
+        for path in models.glob("*/modeling_*.py")
+        if "grid_thw" in path.read_text(encoding="utf-8")
+    }
+
+
+def test_every_grid_thw_family_has_an_entry():
+    found = grid_thw_families()
+    assert sorted(found - set(FAMILIES)) == [], "families without an entry in hf_families.py"
+    assert sorted(set(FAMILIES) - found) == [], "entries for families this transformers lacks"
+
+
+def _zoo(model_type: str):
+    return importlib.import_module(f"hf_zoo.{model_type}")
+
+
+def _step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = [
+        p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+        for p in model.parameters()
+    ]
+    flat = torch.cat(grads)
+    dist.all_reduce(flat)
+    return out.logits.detach(), flat
+
+
+def _family_balanced_vs_local(rank: int, model_type: str, videos: bool) -> dict:
+    zoo = _zoo(model_type)
+    model = zoo.build()
+    batches = [
+        zoo.batch(model, images, grids if videos else [], seed=10 * step + rank)
+        for step, (images, grids) in enumerate(s[rank] for s in STEPS)
+    ]
+    reference = [_step(model, batch) for batch in batches]
+    fx_vitbal.enable_vit_balance(model)
+    with record_moves() as moves:
+        balanced = [_step(model, batch) for batch in batches]
+    differences = [
+        max(_difference(got, want) for got, want in zip(b, r, strict=True))
+        for b, r in zip(balanced, reference, strict=True)
+    ]
+    return {"differences": differences, "moves": moves}
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference, relative to the reference's scale (float32 sums in another order)."""
+    return (got - want).abs().max().item() / (1.0 + want.abs().max().item())
+
+
+def _all_families(rank: int, world: int, families: list) -> dict:
+    results = {}
+    for model_type, videos in families:
+        try:
+            results[model_type] = _family_balanced_vs_local(rank, model_type, videos)
+        except Exception as error:  # the next family still runs: one report names them all
+            results[model_type] = {"error": f"{type(error).__name__}: {error}"}
+    return results
+
+
+def test_supported_families_are_exact_on_two_ranks():
+    families = [(name, e.videos) for name, e in FAMILIES.items() if isinstance(e, Exact)]
+    results = run_ranks(_all_families, 2, families, timeout=600.0)
+    problems = []
+    for model_type, _ in families:
+        per_rank = [r[model_type] for r in results]
+        for rank, res in enumerate(per_rank):
+            if "error" in res:
+                problems.append(f"{model_type} rank {rank}: {res['error']}")
+            elif max(res["differences"]) > 1e-5:
+                problems.append(f"{model_type} rank {rank}: differs by {res['differences']}")
+        moved = [sum(res.get("moves", [])) for res in per_rank]
+        if not any(moved):
+            problems.append(f"{model_type}: no unit moved (a passthrough also matches)")
+    assert problems == []
+
+
+@pytest.mark.parametrize(
+    "model_type", [name for name, e in FAMILIES.items() if isinstance(e, Refused)]
+)
+def test_refused_families_raise_when_wrapped(model_type):
+    model = _zoo(model_type).build()
+    with pytest.raises((TypeError, ValueError), match=FAMILIES[model_type].match):
+        fx_vitbal.enable_vit_balance(model)
