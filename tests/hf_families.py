@@ -22,5 +22,15 @@ class Refused:
 
 
 FAMILIES = {
+    "cohere_compass": Exact(),
     "hyperclovax_vision_v2": Exact(),
+    "qwen2_5_omni": Exact(),
+    "qwen2_5_vl": Exact(),
+    "qwen2_vl": Exact(),
+    "qwen3_5": Exact(),
+    "qwen3_5_moe": Exact(),
+    "qwen3_omni_moe": Exact(),
+    "qwen3_vl": Exact(),
+    "qwen3_vl_moe": Exact(),
+    "qwen4_exp": Exact(),
 }

@@ -42,7 +42,12 @@ from torch import nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.static import ArchitectureCost
-from fx_vitbal.integrations.hf_towers import HFTowerRule, hf_tower_rule, known_tower_names
+from fx_vitbal.integrations.hf_towers import (
+    HFTowerRule,
+    hf_tower_rule,
+    known_tower_names,
+    refuse_parents,
+)
 from fx_vitbal.runtime.call import run_balanced
 from fx_vitbal.runtime.metadata import PROBLEMS, describe_problem
 from fx_vitbal.runtime.settings import active_group, layout_token, planner_spec_for
@@ -100,10 +105,12 @@ def enable_hf_vit_balance(
     it again updates config and group.
 
     Raises:
-        TypeError: the tower's class has no rule (``register_hf_tower``) or is refused.
+        TypeError: the tower's class has no rule (``register_hf_tower``) or is refused, or a
+            module around it is (``REFUSED_PARENTS``).
         ValueError: the parent does not accept ``mm_encoder_outputs``.
     """
     config = config or BalanceConfig()
+    refuse_parents(model)
     tower = tower if tower is not None else _find_tower(model)
     rule = _rule_of(tower)
     planner = planner_spec_for(config, architecture_cost(tower), rule.frames_independent)

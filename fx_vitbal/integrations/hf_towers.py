@@ -102,6 +102,8 @@ SHIPPED_RULES: dict[str, HFTowerRule] = {
     "Qwen3OmniMoeVisionEncoder": HFTowerRule(family="Qwen3-Omni-MoE", **_QWEN3),
     "Qwen3_5VisionModel": HFTowerRule(family="Qwen3.5", **_QWEN),
     "Qwen3_5MoeVisionModel": HFTowerRule(family="Qwen3.5-MoE", **_QWEN),
+    "Qwen4ExpVisionModel": HFTowerRule(family="Qwen4-Exp", **_QWEN),
+    "CohereCompassVisionModel": HFTowerRule(family="Cohere-Compass", **_QWEN3),
     "Glm4vVisionModel": HFTowerRule(family="GLM-4.1V, GLM-4.6V", **_GLM),
     "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", **_GLM),
     "GlmOcrVisionModel": HFTowerRule(family="GLM-OCR", **dict(_GLM, dims=_qwen_dims)),
@@ -115,6 +117,28 @@ REFUSED_TOWERS: dict[str, str] = {
     ),
 }
 """Tower classes that cannot be balanced, and why."""
+
+REFUSED_PARENTS: dict[str, str] = {
+    "ColQwen2ForRetrieval": (
+        "its forward calls the vision tower itself and then its VLM without pixels, so ranks "
+        "with images would make one more balanced tower call than text-only ranks"
+    ),
+}
+"""Model classes around a tower whose own code keeps the ranks from calling it in step, and why."""
+
+
+def refuse_parents(model: nn.Module) -> None:
+    """Raise if a module of ``model`` is (a subclass of) a ``REFUSED_PARENTS`` class.
+
+    Raises:
+        TypeError: naming the class and why.
+    """
+    for module in model.modules():
+        for base in type(module).__mro__:
+            if base.__module__.startswith("transformers.") and base.__name__ in REFUSED_PARENTS:
+                raise TypeError(
+                    f"{base.__name__} cannot be balanced: {REFUSED_PARENTS[base.__name__]}"
+                )
 
 
 def hf_tower_rule(cls: type) -> HFTowerRule:
