@@ -28,7 +28,9 @@ STEPS = [
     [([(1, 16, 12), (1, 8, 8)], [(2, 8, 8)]), ([(1, 4, 4)], [])],
     [([(1, 12, 12), (1, 4, 8)], []), ([], [])],
 ]
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+# Families whose samples hold images or videos, not both (GLM: its placeholder mask counts video
+# frames as image tokens): rank 1 holds the video instead of the thumbnail.
+UNMIXED_STEPS = [[(STEPS[0][0][0], []), ([], STEPS[0][0][1])], STEPS[1]]
 
 
 def grid_thw_families() -> set[str]:
@@ -67,9 +69,10 @@ def _step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
 def _family_balanced_vs_local(rank: int, model_type: str, videos: bool) -> dict:
     zoo = _zoo(model_type)
     model = zoo.build()
+    steps = STEPS if getattr(zoo, "MIXED_OK", True) else UNMIXED_STEPS
     batches = [
         zoo.batch(model, images, grids if videos else [], seed=10 * step + rank)
-        for step, (images, grids) in enumerate(s[rank] for s in STEPS)
+        for step, (images, grids) in enumerate(s[rank] for s in steps)
     ]
     reference = [_step(model, batch) for batch in batches]
     fx_vitbal.enable_vit_balance(model)

@@ -178,14 +178,18 @@ def architecture_cost(tower: nn.Module) -> ArchitectureCost:
     )
 
 
-def _balanced_forward(tower, original, hidden_states, grid_thw, vitbal_problem=0, **kwargs):
+def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
+    """The tower's forward, balanced; pixels and outputs in the tower's own format (with a
+    leading batch dimension where its rule says so)."""
+    config, group, planner, rule, merge = tower._vitbal_hf
+    pixels = args[0] if args else kwargs.pop(_pixels_argument(original))
+    grid_thw = args[1] if len(args) > 1 else kwargs.pop("grid_thw")
     replay = tower.__dict__.get("_vitbal_replay")
     if replay is not None:  # the parent's feature code, run on restored outputs (_replay)
-        return _replayed(tower, replay, hidden_states, kwargs.get("return_dict", True))
-    config, group, planner, rule, merge = tower._vitbal_hf
+        return _replayed(tower, replay, pixels, kwargs.get("return_dict", True))
     dist_info = active_group(tower, config, group)
     if dist_info is None:
-        return original(hidden_states, grid_thw=grid_thw, **kwargs)
+        return original(pixels, grid_thw=grid_thw, **kwargs)
     # Problems found here raise on every rank, through the plan (never here, alone).
     problem = vitbal_problem
     for flag in ("output_hidden_states", "output_attentions"):
@@ -195,15 +199,19 @@ def _balanced_forward(tower, original, hidden_states, grid_thw, vitbal_problem=0
     for name in PRECOMPUTED_KWARGS:
         kwargs.pop(name, None)
 
-    def run(pixels, grid):
-        out = original(pixels, grid_thw=grid, return_dict=True, **kwargs)
-        return [t for name in rule.outputs for t in _listed(out[name])], out
+    def run(rows, grid):
+        if rule.pixel_shape is not None:
+            rows = rows.reshape(-1, *rule.pixel_shape(tower.config))
+        fed = rows.unsqueeze(0) if rule.batched_pixels else rows
+        out = original(fed, grid_thw=grid, return_dict=True, **kwargs)
+        return _as_rows(rule, out), out
 
+    rows = pixels.squeeze(0) if rule.batched_pixels else pixels
     if problem:  # only the plan runs: the tower never sees these pixels
-        hidden_states = hidden_states.new_empty(0, *hidden_states.shape[1:])
-        grid_thw = torch.zeros(0, 3, dtype=torch.long, device=hidden_states.device)
+        rows = rows.new_empty(0, *rows.shape[1:])
+        grid_thw = torch.zeros(0, 3, dtype=torch.long, device=rows.device)
     outputs, out = run_balanced(
-        run, hidden_states, grid_thw, merge, planner, dist_info, module=tower, problem=problem
+        run, rows, grid_thw, merge, planner, dist_info, module=tower, problem=problem
     )
     if problem:  # (compiled: the plan's empty output keeps the op in the graph)
         return out
@@ -211,9 +219,22 @@ def _balanced_forward(tower, original, hidden_states, grid_thw, vitbal_problem=0
     for name in rule.outputs:
         count = len(out[name]) if isinstance(out[name], (list, tuple)) else 1
         taken, outputs = outputs[:count], outputs[count:]
+        if rule.batched_outputs:
+            taken = [x.unsqueeze(0) for x in taken]
         fields[name] = list(taken) if isinstance(out[name], (list, tuple)) else taken[0]
     result = _output(out, fields)
     return result if return_dict else _as_tuple(result)
+
+
+def _pixels_argument(forward) -> str:
+    """The name of a tower forward's first argument (``hidden_states``, ``pixel_values``)."""
+    return next(iter(inspect.signature(forward).parameters))
+
+
+def _as_rows(rule: HFTowerRule, out) -> list:
+    """The restored fields of a tower output, flat, each with its rows in dim 0."""
+    values = [x for name in rule.outputs for x in _listed(out[name])]
+    return [x.squeeze(0) for x in values] if rule.batched_outputs else values
 
 
 def _listed(value) -> list:
@@ -234,14 +255,17 @@ def _output(like, fields: dict):
     return type(like)(**{"last_hidden_state": None, **fields})
 
 
-def _rows(out, fields: tuple[str, ...], start: int, stop: int, pixel_rows: int, merge2: int):
-    """``out``'s ``fields`` restricted to the pixel rows ``start:stop`` of a call of
+def _rows(out, rule: HFTowerRule, start: int, stop: int, pixel_rows: int, merge2: int):
+    """``out``'s restored fields restricted to the pixel rows ``start:stop`` of a call of
     ``pixel_rows`` rows: each field (or list entry) has one row per pixel row or one per
     ``merge2`` (merged), told apart by its length. No host read: the bounds are row counts."""
+    fields = rule.outputs
 
     def take(x):
+        x = x.squeeze(0) if rule.batched_outputs else x
         per = 1 if x.shape[0] == pixel_rows else merge2
-        return x[start // per : stop // per]
+        x = x[start // per : stop // per]
+        return x.unsqueeze(0) if rule.batched_outputs else x
 
     return _output(
         out,
@@ -265,25 +289,26 @@ def _replay(owner, tower, method: str, pixels, grid, restored, extra: dict):
     Raises:
         RuntimeError: the method did not call the tower exactly once (it cannot be replayed).
     """
-    tower._vitbal_replay = [restored, pixels.shape[0]]
+    tower._vitbal_replay = [restored, pixels.numel()]
     try:
-        return getattr(owner, method)(pixels, grid, return_dict=True, **extra)
+        features = getattr(owner, method)(pixels, grid, return_dict=True, **extra)
     finally:
         pending = tower.__dict__.pop("_vitbal_replay")
-        if pending[0] is not None:
-            raise RuntimeError(
-                f"{type(owner).__qualname__}.{method} never called its vision tower: its features "
-                "cannot be computed from the balanced tower's outputs"
-            )
+    if pending[0] is not None:
+        raise RuntimeError(
+            f"{type(owner).__qualname__}.{method} never called its vision tower: its features "
+            "cannot be computed from the balanced tower's outputs"
+        )
+    return features
 
 
 def _replayed(tower, replay: list, pixels, return_dict: bool):
-    restored, rows = replay
-    if restored is None or pixels.shape[0] != rows:
+    restored, numel = replay
+    if restored is None or pixels.numel() != numel:
         raise RuntimeError(
             f"a feature method called {type(tower).__qualname__} twice, or on other pixels "
-            f"({pixels.shape[0]} rows, balanced {rows}): it cannot be replayed on the balanced "
-            "tower's outputs"
+            f"({pixels.numel()} values, balanced {numel}): it cannot be replayed on the "
+            "balanced tower's outputs"
         )
     replay[0] = None
     return restored if return_dict else _as_tuple(restored)
@@ -310,18 +335,22 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     problem = problem or mixed
     if problem and not active:  # no collective to keep: this rank alone raises
         raise ValueError(f"vit dp balance: {describe_problem(problem)}")
-    out = tower(pixels, grid_thw=grid, vitbal_problem=problem)
+    fed = pixels.unsqueeze(0) if rule.batched_pixels else pixels
+    out = tower(fed, grid_thw=grid, vitbal_problem=problem)
     # What the parent's forward passes its feature methods besides pixels and grid.
-    extra = {k: v for k, v in kwargs.items() if k not in params}
+    extra = {k: v for k, v in kwargs.items() if k not in params and k != "return_dict"}
     features, start = {}, 0
     for modality, part_pixels, part_grid, _ in parts:
         stop = start + part_pixels.shape[0]
-        restored = _rows(out, rule.outputs, start, stop, pixels.shape[0], merge**2)
+        restored = _rows(out, rule, start, stop, pixels.shape[0], merge**2)
         method = f"get_{modality}_features"
         features[modality] = _replay(module, tower, method, part_pixels, part_grid, restored, extra)
         start = stop
     if not parts:  # the empty entry ties this rank's output into the graph (module doc, 2.)
-        features["image"] = _output(out, {n: _split_empty(out[n]) for n in rule.outputs})
+        fields = {n: _split_empty(out[n]) for n in rule.outputs}
+        # What the parent's forward reads of a modality: its (here empty) per-image features.
+        fields["pooler_output"] = (_as_rows(rule, out)[0],)
+        features["image"] = _output(out, fields)
     return (), {**kwargs, "mm_encoder_outputs": features}
 
 

@@ -52,6 +52,13 @@ class HFTowerRule:
     one_frame_rows: bool = False
     """The tower fails on grid rows with ``t > 1`` and its parent feeds videos one row per frame
     (GLM): balancing feeds them the same way."""
+    batched_pixels: bool = False
+    """The tower takes its pixels with a leading batch dimension of 1 (its parent adds it)."""
+    pixel_shape: Callable[[object], tuple[int, ...]] | None = None
+    """``vision config -> shape of one pixel row`` as the tower takes it, when not flat (rows may
+    arrive flat from another rank)."""
+    batched_outputs: bool = False
+    """The tower's restored fields carry a leading batch dimension of 1."""
     outputs: tuple[str, ...] = ("pooler_output",)
     """The output fields restored to their home rank (what the parent's feature code reads);
     a list field (Qwen3-VL's ``deepstack_features``) is restored entry by entry. Fields not
@@ -85,7 +92,32 @@ def _glm_dims(c):  # Glm4vVisionMlp's hidden width is out_hidden_size (modeling_
     return c.hidden_size, c.out_hidden_size, c.out_hidden_size
 
 
+def _plain_dims(c):  # the blocks' width is the tower's output width (the parent projects it)
+    return c.hidden_size, c.intermediate_size, c.hidden_size
+
+
+def _layers(c) -> int:
+    return c.num_hidden_layers
+
+
+def _frame_patch_width(c) -> int:  # no temporal patch: one frame per pixel row
+    channels = getattr(c, "num_channels", None) or c.in_channels
+    return channels * c.patch_size**2
+
+
+def _config_merge(tower: nn.Module) -> int:
+    return tower.config.spatial_merge_size
+
+
 _QWEN = dict(dims=_qwen_dims, frames_independent=True)
+_MUSE = dict(  # the tower's own pixel shuffle merges 2x2 blocks into its output rows
+    dims=lambda c: (c.hidden_size, c.intermediate_size, c.hidden_size * c.merge_size**2),
+    depth=_layers,
+    pixel_width=lambda c: 3 * c.patch_temporal * c.patch_size**2,
+    merge_size=lambda tower: tower.config.merge_size,
+    frames_independent=True,
+    outputs=("last_hidden_state",),
+)
 _QWEN3 = dict(_QWEN, outputs=("pooler_output", "deepstack_features"))
 _GLM = dict(dims=_glm_dims, gated_mlp=True, frames_independent=True, one_frame_rows=True)
 
@@ -104,16 +136,107 @@ SHIPPED_RULES: dict[str, HFTowerRule] = {
     "Qwen3_5MoeVisionModel": HFTowerRule(family="Qwen3.5-MoE", **_QWEN),
     "Qwen4ExpVisionModel": HFTowerRule(family="Qwen4-Exp", **_QWEN),
     "CohereCompassVisionModel": HFTowerRule(family="Cohere-Compass", **_QWEN3),
+    "Exaone4_5_VisionModel": HFTowerRule(family="EXAONE-4.5", gated_mlp=True, **_QWEN),
+    "Dots3NoteVisionModel": HFTowerRule(
+        family="dots3-note",
+        dims=lambda c: (c.hidden_size, c.intermediate_size, c.adapter_out_dim),
+        depth=_layers,
+        pixel_width=_frame_patch_width,
+        merge_size=_config_merge,
+        gated_mlp=True,
+        frames_independent=True,
+    ),
+    "Ernie4_5_VLMoeVisionTransformerPretrainedModel": HFTowerRule(
+        family="ERNIE-4.5-VL",
+        dims=_plain_dims,
+        pixel_width=_frame_patch_width,
+        frames_independent=True,
+        outputs=("last_hidden_state",),  # the parent's resampler reads it
+    ),
+    "Lfm3VlVisionModel": HFTowerRule(
+        family="LFM3-VL",
+        dims=_plain_dims,
+        depth=_layers,
+        merge_size=_config_merge,
+        gated_mlp=True,
+        frames_independent=True,
+        outputs=("last_hidden_state",),  # the parent projects it
+    ),
+    "Cosmos3EdgeVisionModel": HFTowerRule(
+        family="Cosmos3-Edge",
+        dims=_plain_dims,
+        depth=_layers,
+        pixel_width=_frame_patch_width,
+        merge_size=_config_merge,
+        frames_independent=True,
+        outputs=("last_hidden_state",),  # the parent projects it
+    ),
+    "MuseGlimmerVisionModel": HFTowerRule(family="Muse-Glimmer", **_MUSE),
+    "MuseSparkVisionModel": HFTowerRule(family="Muse-Spark", **_MUSE),
+    "MiniMaxM3VLVisionModel": HFTowerRule(
+        family="MiniMax-M3-VL",
+        dims=_plain_dims,
+        depth=_layers,
+        pixel_width=lambda c: c.num_channels * c.temporal_patch_size * c.patch_size**2,
+        merge_size=_config_merge,
+        frames_independent=False,  # attention spans every frame of a grid row
+        outputs=("last_hidden_state",),
+        batched_outputs=True,
+    ),
+    "PaddleOCRVisionModel": HFTowerRule(
+        family="PaddleOCR-VL",
+        dims=_plain_dims,
+        depth=_layers,
+        pixel_width=_frame_patch_width,
+        merge_size=_config_merge,
+        frames_independent=True,
+        outputs=("last_hidden_state",),
+        batched_pixels=True,
+        pixel_shape=lambda c: (c.num_channels, c.patch_size, c.patch_size),
+    ),
     "Glm4vVisionModel": HFTowerRule(family="GLM-4.1V, GLM-4.6V", **_GLM),
     "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", **_GLM),
     "GlmOcrVisionModel": HFTowerRule(family="GLM-OCR", **dict(_GLM, dims=_qwen_dims)),
+    "Glm5NextVisionModel": HFTowerRule(family="GLM-5-Next", **dict(_GLM, dims=_qwen_dims)),
 }
 """The towers of transformers 5.x this package ships rules for, by class name."""
+
+_MINICPM = (
+    "MiniCPM-V's tower takes no grid_thw: each image is packed as (1, C, p, N*p) pixels with a "
+    "target size, and its parent's merger reads the last hidden state by target size"
+)
 
 REFUSED_TOWERS: dict[str, str] = {
     "Kimi_K25VisionModel": (
         "Kimi-K2.5's MoonViT attends across the frames of a clip and averages them, and its "
         "pooler rows are (h/2)*(w/2) blocks of shape (4, C), not t*h*w/4 rows"
+    ),
+    "HunYuanVLVisionTransformer": (
+        "HunYuanVL's tower adds a row per line and begin/end rows to each image's output "
+        "(h/2*(w/2+1)+2 rows), not t*h*w/m**2 rows per grid row"
+    ),
+    "HYV4VLVisionModel": (
+        "HY-V4-VL's tower adds a row per line of merged patches to each frame's output "
+        "(t*(h/2)*(w/2+1) rows), not t*h*w/m**2 rows per grid row"
+    ),
+    "Inkling2VisionModel": (
+        "Inkling2's grid counts 2x2-patch LM tokens, not patches, each pixel row is a "
+        "(28, 28, 3) block, and its outputs carry a CLS row per image"
+    ),
+    "MiniCPMOcrVisionModel": _MINICPM,
+    "MiniCPMV4_6VisionModel": _MINICPM,
+    "MiniCPMV4_7VisionModel": _MINICPM,
+    "Step3p7VisionModel": (
+        "Step3p7's tower takes no grid (each call is one view size) and its parent calls it "
+        "twice per step, for the global views and then the local crops"
+    ),
+    "VideoLlama3VisionModel": (
+        "VideoLLaMA3's merge size is an input per grid row (1 for images, 2 for videos), so a "
+        "call's outputs have no single merged layout"
+    ),
+    "GlmImageVisionModel": (
+        "GLM-Image generates images: its grid holds target grids that have no pixels, and its "
+        "tower's outputs become discrete VQ codes that no gradient goes through"
     ),
 }
 """Tower classes that cannot be balanced, and why."""
