@@ -3,6 +3,9 @@
 # than the default come from the registry).
 PYTHON ?= python3
 TORCH ?= 2.13.0
+# The transformers the suite is pinned to (tests/test_hf_families.py walks its VLM families);
+# raising it is a deliberate change that test then checks.
+TRANSFORMERS ?= 5.24.0
 ifeq ($(TORCH),2.13.0)
 VENV := .venv
 else
@@ -21,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==$(TORCH)
-	$(PIP) install --quiet -e '.[test,hf,plot]'
+	$(PIP) install --quiet -e '.[test,hf,plot]' transformers==$(TRANSFORMERS)
 	$(PY) -c "import torch; assert torch.__version__.startswith('$(TORCH)'), torch.__version__"
 	touch $@
 

@@ -4,6 +4,8 @@
 
 import dataclasses
 
+from fx_vitbal.integrations.hf_towers import REFUSED_PARENTS, REFUSED_TOWERS
+
 
 @dataclasses.dataclass(frozen=True)
 class Exact:
@@ -15,10 +17,14 @@ class Exact:
 
 @dataclasses.dataclass(frozen=True)
 class Refused:
-    """``enable_vit_balance`` raises, its message matching ``match``; ``why`` for the docs."""
+    """``enable_vit_balance`` raises a ``TypeError`` naming this class (the family's tower, or
+    the model around it) and the library's reason (``REFUSED_TOWERS`` / ``REFUSED_PARENTS``)."""
 
-    match: str
-    why: str
+    cls: str
+
+    @property
+    def reason(self) -> str:
+        return {**REFUSED_TOWERS, **REFUSED_PARENTS}[self.cls]
 
 
 FAMILIES = {
@@ -48,16 +54,34 @@ FAMILIES = {
     "qwen3_vl": Exact(),
     "qwen3_vl_moe": Exact(),
     "qwen4_exp": Exact(),
-    "colqwen2": Refused("ColQwen2ForRetrieval cannot be balanced", "calls the tower itself"),
-    "glm_image": Refused("GlmImageVisionModel cannot be balanced", "image generation, VQ codes"),
-    "hunyuan_vl": Refused("HunYuanVLVisionTransformer cannot", "line and begin/end rows"),
-    "hy_v4_vl": Refused("HYV4VLVisionModel cannot be balanced", "a row per line of patches"),
-    "inkling2": Refused("Inkling2VisionModel cannot be balanced", "grid in LM tokens, CLS rows"),
-    "inkling2_loop": Refused("Inkling2VisionModel cannot be balanced", "Inkling2's tower"),
-    "kimi_k25": Refused("Kimi_K25VisionModel cannot be balanced", "frames attend and average"),
-    "minicpm_ocr": Refused("MiniCPMOcrVisionModel cannot be balanced", "no grid_thw"),
-    "minicpmv4_6": Refused("MiniCPMV4_6VisionModel cannot be balanced", "no grid_thw"),
-    "minicpmv4_7": Refused("MiniCPMV4_7VisionModel cannot be balanced", "no grid_thw"),
-    "step3p7": Refused("Step3p7VisionModel cannot be balanced", "no grid, two calls a step"),
-    "video_llama_3": Refused("VideoLlama3VisionModel cannot be balanced", "merge size per row"),
+    "colqwen2": Refused("ColQwen2ForRetrieval"),
+    "glm_image": Refused("GlmImageVisionModel"),
+    "hunyuan_vl": Refused("HunYuanVLVisionTransformer"),
+    "hy_v4_vl": Refused("HYV4VLVisionModel"),
+    "inkling2": Refused("Inkling2VisionModel"),
+    "inkling2_loop": Refused("Inkling2VisionModel"),
+    "kimi_k25": Refused("Kimi_K25VisionModel"),
+    "minicpm_ocr": Refused("MiniCPMOcrVisionModel"),
+    "minicpmv4_6": Refused("MiniCPMV4_6VisionModel"),
+    "minicpmv4_7": Refused("MiniCPMV4_7VisionModel"),
+    "step3p7": Refused("Step3p7VisionModel"),
+    "video_llama_3": Refused("VideoLlama3VisionModel"),
 }
+
+
+def markdown_table() -> str:
+    """The table docs/design.md shows (``test_hf_families`` checks it is there)."""
+    rows = ["| model type | outcome | why |", "|---|---|---|"]
+    for name, entry in sorted(FAMILIES.items()):
+        if isinstance(entry, Exact):
+            outcome = "exact" if entry.videos else "exact (takes no videos)"
+            rows.append(f"| `{name}` | {outcome} | |")
+        else:
+            rows.append(f"| `{name}` | refused | `{entry.cls}`: {entry.reason} |")
+    return "\n".join(rows) + "\n"
+
+
+def counts() -> str:
+    """The README's count of exact families."""
+    exact = sum(isinstance(entry, Exact) for entry in FAMILIES.values())
+    return f"{exact} of the {len(FAMILIES)} model types"

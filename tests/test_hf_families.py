@@ -10,6 +10,7 @@ turn (each family costs its modeling module's import and a few tiny steps).
 
 import importlib
 import pathlib
+import re
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from dist_utils import record_moves, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
-from hf_families import FAMILIES, Exact, Refused  # noqa: E402
+from hf_families import FAMILIES, Exact, Refused, counts, markdown_table  # noqa: E402
 
 import fx_vitbal  # noqa: E402
 
@@ -122,5 +123,14 @@ def test_supported_families_are_exact_on_two_ranks():
 )
 def test_refused_families_raise_when_wrapped(model_type):
     model = _zoo(model_type).build()
-    with pytest.raises((TypeError, ValueError), match=FAMILIES[model_type].match):
+    entry = FAMILIES[model_type]
+    with pytest.raises(
+        TypeError, match=f"{entry.cls} cannot be balanced: {re.escape(entry.reason)}"
+    ):
         fx_vitbal.enable_vit_balance(model)
+
+
+def test_the_docs_show_this_table_and_the_readme_its_count():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert markdown_table() in (root / "docs" / "design.md").read_text(encoding="utf-8")
+    assert counts() in (root / "README.md").read_text(encoding="utf-8")
