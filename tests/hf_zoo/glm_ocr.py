@@ -1,0 +1,18 @@
+"""GLM-OCR: GLM layout; video frames use the image token, so a sample holds images or
+videos, not both (MIXED_OK)."""
+
+import transformers
+
+from hf_zoo._common import GLM_TOKENS, GLM_VISION, glm_batch, glm_text, instantiate
+
+MIXED_OK = False
+
+
+def build():
+    config = transformers.GlmOcrConfig(
+        vision_config=dict(GLM_VISION), text_config=glm_text(), **GLM_TOKENS
+    )
+    return instantiate(transformers.GlmOcrForConditionalGeneration, config)
+
+
+batch = glm_batch
