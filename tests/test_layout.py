@@ -14,7 +14,11 @@ _spec.loader.exec_module(layout)
 ENTRY_POINTS = [
     {"fx_vitbal.encoder"},
     {"fx_vitbal.ahead"},
-    {"fx_vitbal.integrations.hf"},
+    {
+        "fx_vitbal.integrations.hf",
+        "fx_vitbal.integrations.hf_towers",
+        "fx_vitbal.integrations.hf_outputs",
+    },
     {"fx_vitbal.passes.backend", "fx_vitbal.passes.vit_balance", "fx_vitbal.passes.subgraph"},
 ]
 

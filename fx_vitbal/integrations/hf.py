@@ -13,8 +13,8 @@
    of collectives and hang. One call per forward on every rank also means one ``restore`` per
    step, so backward issues its collective exactly once too. Then the parent's own
    ``get_image_features`` / ``get_video_features`` runs for each modality, its tower call answered
-   by the restored outputs (``_replay``), and hands its result to the parent's forward through
-   ``mm_encoder_outputs``: projectors, resamplers, reshapes and per-image splits run as the
+   by the restored outputs (``hf_outputs.replay``), and hands its result to the parent's forward
+   through ``mm_encoder_outputs``: projectors, resamplers, reshapes and per-image splits run as the
    family wrote them, on the rank and in the order the images came from. A rank without pixels
    passes its (empty) tower output as an empty image entry: the parent's ``masked_scatter``
    keeps it in the autograd graph, so the backward of ``restore`` (a collective) runs there as
@@ -30,7 +30,6 @@ rejects ``output_hidden_states`` / ``output_attentions``. Precomputed per-batch 
 tower recomputes them from its grid.
 """
 
-import dataclasses
 import functools
 import inspect
 import sys
@@ -42,6 +41,15 @@ from torch import nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.static import ArchitectureCost
+from fx_vitbal.integrations.hf_outputs import (
+    as_tuple,
+    empty_per_image,
+    modality_rows,
+    output_with,
+    replay,
+    replayed,
+    restored_rows,
+)
 from fx_vitbal.integrations.hf_towers import (
     HFTowerRule,
     hf_tower_rule,
@@ -184,9 +192,9 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     config, group, planner, rule, merge = tower._vitbal_hf
     pixels = args[0] if args else kwargs.pop(_pixels_argument(original))
     grid_thw = args[1] if len(args) > 1 else kwargs.pop("grid_thw")
-    replay = tower.__dict__.get("_vitbal_replay")
-    if replay is not None:  # the parent's feature code, run on restored outputs (_replay)
-        return _replayed(tower, replay, pixels, kwargs.get("return_dict", True))
+    pending = tower.__dict__.get("_vitbal_replay")
+    if pending is not None:  # the parent's feature code, run on restored outputs (replay)
+        return replayed(tower, pending, pixels, kwargs.get("return_dict", True))
     dist_info = active_group(tower, config, group)
     if dist_info is None:
         return original(pixels, grid_thw=grid_thw, **kwargs)
@@ -204,7 +212,7 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
             rows = rows.reshape(-1, *rule.pixel_shape(tower.config))
         fed = rows.unsqueeze(0) if rule.batched_pixels else rows
         out = original(fed, grid_thw=grid, return_dict=True, **kwargs)
-        return _as_rows(rule, out), out
+        return restored_rows(rule, out), out
 
     rows = pixels.squeeze(0) if rule.batched_pixels else pixels
     if problem:  # only the plan runs: the tower never sees these pixels
@@ -222,96 +230,13 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         if rule.batched_outputs:
             taken = [x.unsqueeze(0) for x in taken]
         fields[name] = list(taken) if isinstance(out[name], (list, tuple)) else taken[0]
-    result = _output(out, fields)
-    return result if return_dict else _as_tuple(result)
+    result = output_with(out, fields)
+    return result if return_dict else as_tuple(result)
 
 
 def _pixels_argument(forward) -> str:
     """The name of a tower forward's first argument (``hidden_states``, ``pixel_values``)."""
     return next(iter(inspect.signature(forward).parameters))
-
-
-def _as_rows(rule: HFTowerRule, out) -> list:
-    """The restored fields of a tower output, flat, each with its rows in dim 0."""
-    values = [x for name in rule.outputs for x in _listed(out[name])]
-    return [x.squeeze(0) for x in values] if rule.batched_outputs else values
-
-
-def _listed(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _as_tuple(out) -> tuple:
-    """``return_dict=False``'s tuple with each field at its place: ``to_tuple`` drops the None
-    fields, and a restored output has no ``last_hidden_state`` in front of its pooler."""
-    values = [getattr(out, field.name) for field in dataclasses.fields(out)]
-    while values and values[-1] is None:
-        values.pop()
-    return tuple(values)
-
-
-def _output(like, fields: dict):
-    """A ModelOutput of ``like``'s class holding only ``fields`` (every other field None)."""
-    return type(like)(**{"last_hidden_state": None, **fields})
-
-
-def _rows(out, rule: HFTowerRule, start: int, stop: int, pixel_rows: int, merge2: int):
-    """``out``'s restored fields restricted to the pixel rows ``start:stop`` of a call of
-    ``pixel_rows`` rows: each field (or list entry) has one row per pixel row or one per
-    ``merge2`` (merged), told apart by its length. No host read: the bounds are row counts."""
-    fields = rule.outputs
-
-    def take(x):
-        x = x.squeeze(0) if rule.batched_outputs else x
-        per = 1 if x.shape[0] == pixel_rows else merge2
-        x = x[start // per : stop // per]
-        return x.unsqueeze(0) if rule.batched_outputs else x
-
-    return _output(
-        out,
-        {
-            name: [take(x) for x in out[name]] if isinstance(out[name], list) else take(out[name])
-            for name in fields
-        },
-    )
-
-
-@torch.compiler.disable
-def _replay(owner, tower, method: str, pixels, grid, restored, extra: dict):
-    """``owner.<method>(pixels, grid)`` (``get_image_features``...) with its tower call answered
-    by ``restored``, the balanced tower's outputs for exactly these pixels: projectors,
-    resamplers and per-image splits run as the parent wrote them.
-
-    Never compiled: the parent's feature code reads split sizes on the host (a graph break
-    anyway), and the ``vitbal`` backend must only see a parent's feature code when the parent
-    was not wrapped (it refuses those graphs).
-
-    Raises:
-        RuntimeError: the method did not call the tower exactly once (it cannot be replayed).
-    """
-    tower._vitbal_replay = [restored, pixels.numel()]
-    try:
-        features = getattr(owner, method)(pixels, grid, return_dict=True, **extra)
-    finally:
-        pending = tower.__dict__.pop("_vitbal_replay")
-    if pending[0] is not None:
-        raise RuntimeError(
-            f"{type(owner).__qualname__}.{method} never called its vision tower: its features "
-            "cannot be computed from the balanced tower's outputs"
-        )
-    return features
-
-
-def _replayed(tower, replay: list, pixels, return_dict: bool):
-    restored, numel = replay
-    if restored is None or pixels.numel() != numel:
-        raise RuntimeError(
-            f"a feature method called {type(tower).__qualname__} twice, or on other pixels "
-            f"({pixels.numel()} values, balanced {numel}): it cannot be replayed on the "
-            "balanced tower's outputs"
-        )
-    replay[0] = None
-    return restored if return_dict else _as_tuple(restored)
 
 
 def _encode_before_parent(tower, params, module, args, kwargs):
@@ -342,23 +267,16 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     features, start = {}, 0
     for modality, part_pixels, part_grid, _ in parts:
         stop = start + part_pixels.shape[0]
-        restored = _rows(out, rule, start, stop, pixels.shape[0], merge**2)
+        restored = modality_rows(out, rule, start, stop, pixels.shape[0], merge**2)
         method = f"get_{modality}_features"
-        features[modality] = _replay(module, tower, method, part_pixels, part_grid, restored, extra)
+        features[modality] = replay(module, tower, method, part_pixels, part_grid, restored, extra)
         start = stop
     if not parts:  # the empty entry ties this rank's output into the graph (module doc, 2.)
-        fields = {n: _split_empty(out[n]) for n in rule.outputs}
+        fields = {n: empty_per_image(out[n]) for n in rule.outputs}
         # What the parent's forward reads of a modality: its (here empty) per-image features.
-        fields["pooler_output"] = (_as_rows(rule, out)[0],)
-        features["image"] = _output(out, fields)
+        fields["pooler_output"] = (restored_rows(rule, out)[0],)
+        features["image"] = output_with(out, fields)
     return (), {**kwargs, "mm_encoder_outputs": features}
-
-
-def _split_empty(value):
-    """An empty output as ``get_image_features`` returns it: one (empty) tensor per image."""
-    if isinstance(value, list):
-        return [(x,) for x in value]
-    return (value,)
 
 
 def _tower_parts(tower, rule: HFTowerRule, kwargs: dict) -> list[tuple]:

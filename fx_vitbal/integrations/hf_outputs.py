@@ -1,0 +1,105 @@
+"""A balanced Hugging Face tower's outputs as its parent expects them: the restored fields in
+the tower's own ModelOutput class and format, sliced per modality, and the replay of the parent's
+own feature code (``get_image_features``...) on them.
+
+Why replay rather than reimplement: what a parent does with its tower's output (projectors,
+resamplers, reshapes, per-image splits) differs between families, and a wrapper that skips any of
+it trains silently wrong. Answering the parent's one tower call with the restored outputs runs
+its own code unchanged.
+"""
+
+import dataclasses
+
+import torch
+
+from fx_vitbal.integrations.hf_towers import HFTowerRule
+
+
+def listed(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def as_tuple(out) -> tuple:
+    """``return_dict=False``'s tuple with each field at its place: ``to_tuple`` drops the None
+    fields, and a restored output has no ``last_hidden_state`` in front of its pooler."""
+    values = [getattr(out, field.name) for field in dataclasses.fields(out)]
+    while values and values[-1] is None:
+        values.pop()
+    return tuple(values)
+
+
+def output_with(like, fields: dict):
+    """A ModelOutput of ``like``'s class holding only ``fields`` (every other field None)."""
+    return type(like)(**{"last_hidden_state": None, **fields})
+
+
+def modality_rows(out, rule: HFTowerRule, start: int, stop: int, pixel_rows: int, merge2: int):
+    """``out``'s restored fields restricted to the pixel rows ``start:stop`` of a call of
+    ``pixel_rows`` rows: each field (or list entry) has one row per pixel row or one per
+    ``merge2`` (merged), told apart by its length. No host read: the bounds are row counts."""
+    fields = rule.outputs
+
+    def take(x):
+        x = x.squeeze(0) if rule.batched_outputs else x
+        per = 1 if x.shape[0] == pixel_rows else merge2
+        x = x[start // per : stop // per]
+        return x.unsqueeze(0) if rule.batched_outputs else x
+
+    return output_with(
+        out,
+        {
+            name: [take(x) for x in out[name]] if isinstance(out[name], list) else take(out[name])
+            for name in fields
+        },
+    )
+
+
+@torch.compiler.disable
+def replay(owner, tower, method: str, pixels, grid, restored, extra: dict):
+    """``owner.<method>(pixels, grid)`` (``get_image_features``...) with its tower call answered
+    by ``restored``, the balanced tower's outputs for exactly these pixels: projectors,
+    resamplers and per-image splits run as the parent wrote them.
+
+    Never compiled: the parent's feature code reads split sizes on the host (a graph break
+    anyway), and the ``vitbal`` backend must only see a parent's feature code when the parent
+    was not wrapped (it refuses those graphs).
+
+    Raises:
+        RuntimeError: the method did not call the tower exactly once (it cannot be replayed).
+    """
+    tower._vitbal_replay = [restored, pixels.numel()]
+    try:
+        features = getattr(owner, method)(pixels, grid, return_dict=True, **extra)
+    finally:
+        pending = tower.__dict__.pop("_vitbal_replay")
+    if pending[0] is not None:
+        raise RuntimeError(
+            f"{type(owner).__qualname__}.{method} never called its vision tower: its features "
+            "cannot be computed from the balanced tower's outputs"
+        )
+    return features
+
+
+def replayed(tower, replay: list, pixels, return_dict: bool):
+    restored, numel = replay
+    if restored is None or pixels.numel() != numel:
+        raise RuntimeError(
+            f"a feature method called {type(tower).__qualname__} twice, or on other pixels "
+            f"({pixels.numel()} values, balanced {numel}): it cannot be replayed on the "
+            "balanced tower's outputs"
+        )
+    replay[0] = None
+    return restored if return_dict else as_tuple(restored)
+
+
+def empty_per_image(value):
+    """An empty output as ``get_image_features`` returns it: one (empty) tensor per image."""
+    if isinstance(value, list):
+        return [(x,) for x in value]
+    return (value,)
+
+
+def restored_rows(rule: HFTowerRule, out) -> list:
+    """The restored fields of a tower output, flat, each with its rows in dim 0."""
+    values = [x for name in rule.outputs for x in listed(out[name])]
+    return [x.squeeze(0) for x in values] if rule.batched_outputs else values
