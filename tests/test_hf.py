@@ -472,6 +472,32 @@ def test_a_tower_declared_with_register_vision_encoder_is_told_to_use_register_h
         fx_vitbal.enable_vit_balance(build_parent("qwen2_vl"))
 
 
+def test_a_feature_method_that_cannot_be_replayed_raises_instead_of_being_bypassed():
+    model = build_parent("qwen2_vl")
+    batch = make_batch("qwen2_vl", 0, 0, _pixel_width(model.get_encoder(modality="image")))
+    fx_vitbal.enable_vit_balance(model)
+    parent, tower = model.model, model.model.visual
+    original = parent.get_image_features
+
+    def without_the_tower(pixel_values, image_grid_thw, **kwargs):
+        return tower._vitbal_original_forward(pixel_values, grid_thw=image_grid_thw)
+
+    parent.get_image_features = without_the_tower
+    with pytest.raises(RuntimeError, match="never called its vision tower"):
+        model(**batch)
+
+    def twice(pixel_values, image_grid_thw, **kwargs):
+        tower(pixel_values, grid_thw=image_grid_thw)
+        return original(pixel_values, image_grid_thw, **kwargs)
+
+    parent.get_image_features = twice
+    with pytest.raises(RuntimeError, match="called Qwen2VisionTransformerPretrainedModel twice"):
+        model(**batch)
+    del parent.get_image_features  # the class's own method again: the replay is exact
+    assert "_vitbal_replay" not in vars(tower)  # nothing left over from the failed calls
+    model(**batch)
+
+
 def test_vit_names_a_hugging_face_tower():
     model = build_parent("qwen2_vl")
     batch = make_batch("qwen2_vl", 0, 0, _pixel_width(model.get_encoder(modality="image")))

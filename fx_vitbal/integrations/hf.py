@@ -115,7 +115,8 @@ def enable_hf_vit_balance(
     Raises:
         TypeError: the tower's class has no rule (``register_hf_tower``) or is refused, or a
             module around it is (``REFUSED_PARENTS``).
-        ValueError: the parent does not accept ``mm_encoder_outputs``.
+        ValueError: the parent does not accept ``mm_encoder_outputs`` or has no
+            ``get_image_features`` (whose replay gives the features).
     """
     config = config or BalanceConfig()
     refuse_parents(model)
@@ -130,10 +131,11 @@ def enable_hf_vit_balance(
     owner = next((m for m in model.modules() if any(c is tower for c in m.children())), None)
     if owner is not None and not hasattr(owner, "_vitbal_hf_hook"):
         params = list(inspect.signature(owner.forward).parameters)
-        if "mm_encoder_outputs" not in params:
+        if "mm_encoder_outputs" not in params or not hasattr(owner, "get_image_features"):
             raise ValueError(
-                f"{type(owner).__qualname__}.forward takes no mm_encoder_outputs; enable balancing "
-                "on its vision tower instead and call the tower on every rank"
+                f"{type(owner).__qualname__} takes no mm_encoder_outputs or has no "
+                "get_image_features; enable balancing on its vision tower instead and call the "
+                "tower on every rank"
             )
         hook = functools.partial(_encode_before_parent, tower, params)
         owner._vitbal_hf_hook = owner.register_forward_pre_hook(hook, with_kwargs=True)
