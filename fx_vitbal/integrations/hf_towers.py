@@ -15,8 +15,12 @@ from collections.abc import Callable
 from torch import nn
 
 
+def _channels(c) -> int:  # configs call it either
+    return getattr(c, "num_channels", None) or c.in_channels
+
+
 def _patch_width(c) -> int:
-    return c.in_channels * c.temporal_patch_size * c.patch_size**2
+    return _channels(c) * c.temporal_patch_size * c.patch_size**2
 
 
 def _merge_attribute(tower: nn.Module) -> int:
@@ -101,8 +105,7 @@ def _layers(c) -> int:
 
 
 def _frame_patch_width(c) -> int:  # no temporal patch: one frame per pixel row
-    channels = getattr(c, "num_channels", None) or c.in_channels
-    return channels * c.patch_size**2
+    return _channels(c) * c.patch_size**2
 
 
 def _config_merge(tower: nn.Module) -> int:
@@ -119,6 +122,10 @@ _MUSE = dict(  # the tower's own pixel shuffle merges 2x2 blocks into its output
     outputs=("last_hidden_state",),
 )
 _QWEN3 = dict(_QWEN, outputs=("pooler_output", "deepstack_features"))
+# Towers whose parent projects ``last_hidden_state``, with HF-style config names.
+_PROJECTED = dict(
+    dims=_plain_dims, depth=_layers, merge_size=_config_merge, outputs=("last_hidden_state",)
+)
 _GLM = dict(dims=_glm_dims, gated_mlp=True, frames_independent=True, one_frame_rows=True)
 
 SHIPPED_RULES: dict[str, HFTowerRule] = {
@@ -154,45 +161,29 @@ SHIPPED_RULES: dict[str, HFTowerRule] = {
         outputs=("last_hidden_state",),  # the parent's resampler reads it
     ),
     "Lfm3VlVisionModel": HFTowerRule(
-        family="LFM3-VL",
-        dims=_plain_dims,
-        depth=_layers,
-        merge_size=_config_merge,
-        gated_mlp=True,
-        frames_independent=True,
-        outputs=("last_hidden_state",),  # the parent projects it
+        family="LFM3-VL", gated_mlp=True, frames_independent=True, **_PROJECTED
     ),
     "Cosmos3EdgeVisionModel": HFTowerRule(
         family="Cosmos3-Edge",
-        dims=_plain_dims,
-        depth=_layers,
         pixel_width=_frame_patch_width,
-        merge_size=_config_merge,
         frames_independent=True,
-        outputs=("last_hidden_state",),  # the parent projects it
+        **_PROJECTED,
     ),
     "MuseGlimmerVisionModel": HFTowerRule(family="Muse-Glimmer", **_MUSE),
     "MuseSparkVisionModel": HFTowerRule(family="Muse-Spark", **_MUSE),
     "MiniMaxM3VLVisionModel": HFTowerRule(
         family="MiniMax-M3-VL",
-        dims=_plain_dims,
-        depth=_layers,
-        pixel_width=lambda c: c.num_channels * c.temporal_patch_size * c.patch_size**2,
-        merge_size=_config_merge,
         frames_independent=False,  # attention spans every frame of a grid row
-        outputs=("last_hidden_state",),
         batched_outputs=True,
+        **_PROJECTED,
     ),
     "PaddleOCRVisionModel": HFTowerRule(
         family="PaddleOCR-VL",
-        dims=_plain_dims,
-        depth=_layers,
         pixel_width=_frame_patch_width,
-        merge_size=_config_merge,
         frames_independent=True,
-        outputs=("last_hidden_state",),
         batched_pixels=True,
         pixel_shape=lambda c: (c.num_channels, c.patch_size, c.patch_size),
+        **_PROJECTED,
     ),
     "Glm4vVisionModel": HFTowerRule(family="GLM-4.1V, GLM-4.6V", **_GLM),
     "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", **_GLM),

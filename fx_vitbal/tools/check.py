@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fx_vitbal.integrations.hf import is_hf_model
+from fx_vitbal.integrations.hf_outputs import restored_rows
 from fx_vitbal.integrations.hf_towers import HFTowerRule, hf_tower_rule
 from fx_vitbal.runtime.vits import (
     plain_forward,
@@ -296,7 +297,7 @@ def _call(model: nn.Module, pixels: Tensor, grid_thw: Tensor) -> tuple:
     rule = _hf_rule(model)
     if rule is not None:  # the fields the rule restores, as the contract's triple
         out = plain_forward(model)(pixels, grid_thw=grid_thw, return_dict=True)
-        values = [x for name in rule.outputs for x in _listed(out[name])]
+        values = restored_rows(rule, out)
         return values[0], None, values[1:]
     result = plain_forward(model)(pixels, grid_thw)
     if not (isinstance(result, tuple | list) and len(result) == 3):
@@ -305,10 +306,6 @@ def _call(model: nn.Module, pixels: Tensor, grid_thw: Tensor) -> tuple:
             f"(pixel_embeds, window_index, deepstack), got {type(result).__qualname__}"
         )
     return result
-
-
-def _listed(value) -> list:
-    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _copy_for_check(

@@ -7,7 +7,16 @@ from hf_zoo._common import IMAGE, TEXT, VIDEO, instantiate, muse_batch
 
 
 def build():
-    config = transformers.MuseGlimmerConfig(
+    return build_variant(
+        transformers.MuseGlimmerConfig, transformers.MuseGlimmerForConditionalGeneration
+    )
+
+
+def build_variant(config_cls, model_cls, **text):
+    """A Muse-line model: the tiny pixel-shuffle tower, with ``text`` added to the text model (and
+    any other top-level fields among them)."""
+    audio = text.pop("audio_config", None)
+    config = config_cls(
         vision_config=dict(
             num_hidden_layers=2,
             hidden_size=64,
@@ -22,13 +31,16 @@ def build():
             max_position_embeddings=16,
             layer_types=["window_attention", "full_attention"],
         ),
-        text_config=dict(TEXT, hidden_size=96, bos_token_id=1, eos_token_id=2, sliding_window=64),
+        text_config=dict(
+            TEXT, hidden_size=96, bos_token_id=1, eos_token_id=2, sliding_window=64, **text
+        ),
+        **({"audio_config": audio} if audio is not None else {}),
         out_hidden_size=64 * 4,  # the tower's out width: hidden * merge^2 after pixel_shuffle
         projector_hidden_size=128,
         image_token_id=IMAGE,
         video_token_id=VIDEO,
     )
-    return instantiate(transformers.MuseGlimmerForConditionalGeneration, config)
+    return instantiate(model_cls, config)
 
 
 batch = muse_batch

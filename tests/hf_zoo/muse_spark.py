@@ -3,37 +3,19 @@ layout (per-frame video pads between separators)."""
 
 import transformers
 
-from hf_zoo._common import IMAGE, TEXT, VIDEO, instantiate, muse_batch
+from hf_zoo._common import muse_batch
+from hf_zoo.muse_glimmer import build_variant
 
 
 def build():
-    config = transformers.MuseSparkConfig(
-        vision_config=dict(
-            num_hidden_layers=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            patch_size=14,
-            patch_temporal=2,
-            merge_size=2,
-            # windows are pos_emb_height patches high: an 8x12 grid gets 2x3 windows
-            pos_emb_height=4,
-            pos_emb_width=4,
-            max_position_embeddings=16,
-            layer_types=["window_attention", "full_attention"],
-        ),
-        text_config=dict(
-            TEXT,
-            hidden_size=96,
-            bos_token_id=1,
-            eos_token_id=2,
-            sliding_window=64,
-            mlp_layer_types=["dense", "sparse"],
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            moe_hidden_size=48,
-        ),
+    return build_variant(
+        transformers.MuseSparkConfig,
+        transformers.MuseSparkForConditionalGeneration,
+        mlp_layer_types=["dense", "sparse"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_hidden_size=48,
         audio_config=dict(  # built, unused; its out width must equal the text width
             patch_sizes=[2, 2],
             hidden_sizes=[16, 32],
@@ -41,12 +23,7 @@ def build():
             num_hidden_layers=2,
             out_hidden_size=96,
         ),
-        out_hidden_size=64 * 4,  # the tower's out width: hidden * merge^2 after pixel_shuffle
-        projector_hidden_size=128,
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
     )
-    return instantiate(transformers.MuseSparkForConditionalGeneration, config)
 
 
 batch = muse_batch
