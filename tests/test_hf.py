@@ -438,6 +438,15 @@ def test_kimi_is_refused_and_unknown_towers_raise():
         hf.enable_hf_vit_balance(llama)
     with pytest.raises(TypeError, match="not a known Hugging Face vision tower"):
         hf.enable_hf_vit_balance(torch.nn.Linear(2, 2))
+    # A wrapper's subclass (FSDP2's FSDP<name>) keeps its tower's rule; another family's
+    # transformers tower that subclasses it does not inherit it (it may compute differently).
+    qwen2 = importlib.import_module("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    tower_cls = qwen2.Qwen2VisionTransformerPretrainedModel
+    wrapped = type("FSDPQwen2Tower", (tower_cls,), {"__module__": "torch.distributed.fsdp"})
+    assert hf_towers.hf_tower_rule(wrapped) is hf_towers.SHIPPED_RULES[tower_cls.__name__]
+    other = type("OtherTower", (tower_cls,), {"__module__": "transformers.models.other.modeling"})
+    with pytest.raises(TypeError, match="OtherTower is not a known Hugging Face vision tower"):
+        hf_towers.hf_tower_rule(other)
 
 
 def test_an_unknown_tower_works_once_registered_with_register_hf_tower(monkeypatch):

@@ -1,12 +1,14 @@
 """Which Hugging Face vision towers can be balanced, and what balancing must know of each: an
-open registry of rules (``register_hf_tower``), matched through the tower class's MRO.
+open registry of rules (``register_hf_tower``), matched through the tower class's MRO
+(``hf_tower_rule``).
 
 Why a rule and not inference: what the tower computes is not visible from its outputs. Whether a
 video's frames may be computed on different ranks (a tower attending across the frames of a clip
 gives silently wrong results if they are split), which output fields its parent reads, and where
 its config keeps the dimensions the cost model needs all differ between families. The rules
 shipped here are keyed by class name, so this module never imports transformers; classes users
-register are keyed by the class itself. Either way a subclass inherits its base's rule.
+register are keyed by the class itself, and their subclasses inherit them; a shipped rule is
+that of the tower's own transformers class only.
 """
 
 import dataclasses
@@ -257,20 +259,22 @@ def refuse_parents(model: nn.Module) -> None:
 
 def hf_tower_rule(cls: type) -> HFTowerRule:
     """The rule of a tower class: the first class in its MRO registered by
-    ``register_hf_tower``, or shipped (transformers classes, by name), or refused.
+    ``register_hf_tower``, else the shipped (or refused) rule of its own transformers class, the
+    first in the MRO (wrappers such as FSDP2's ``FSDP<name>`` are seen through). A transformers
+    tower that subclasses another family's (ERNIE's and LFM3's subclass Qwen2-VL's) does not
+    inherit its rule: it may compute differently (LFM3 adds a convolution).
 
     Raises:
-        TypeError: refused, or no rule anywhere in the MRO (the message names the registry).
+        TypeError: refused, or no rule (the message names the registry).
     """
-    for base in cls.__mro__:
-        if base in _BY_CLASS:
-            return _BY_CLASS[base]
-        if not base.__module__.startswith("transformers."):
-            continue
-        if base.__name__ in REFUSED_TOWERS:
-            raise TypeError(f"{base.__name__} cannot be balanced: {REFUSED_TOWERS[base.__name__]}")
-        if base.__name__ in SHIPPED_RULES:
-            return SHIPPED_RULES[base.__name__]
+    registered = next((_BY_CLASS[base] for base in cls.__mro__ if base in _BY_CLASS), None)
+    if registered is not None:
+        return registered
+    own = next((b.__name__ for b in cls.__mro__ if b.__module__.startswith("transformers.")), None)
+    if own in REFUSED_TOWERS:
+        raise TypeError(f"{own} cannot be balanced: {REFUSED_TOWERS[own]}")
+    if own in SHIPPED_RULES:
+        return SHIPPED_RULES[own]
     raise TypeError(
         f"{cls.__qualname__} is not a known Hugging Face vision tower: if it keeps the contract "
         "fx_vitbal.HFTowerRule describes, declare it with fx_vitbal.register_hf_tower(cls, "
