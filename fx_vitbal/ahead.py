@@ -30,6 +30,7 @@ Rules that keep the ranks in lockstep:
 """
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from fx_vitbal.runtime.collectives import group_ranks
 from fx_vitbal.runtime.handover import PlannedBatch, batch_key
 from fx_vitbal.runtime.planning import solve_for_rank
 from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.settings import DEFAULT_CONFIG, layout_token, planner_for
+from fx_vitbal.runtime.settings import DEFAULT_CONFIG, layout_token, planner_for, replica_ranks
 from fx_vitbal.runtime.vits import entry_points, find_vit, is_balanced_in_place, unwrap_module
 
 __all__ = ["PlannedBatch", "plan_ahead", "use_plan"]
@@ -56,6 +57,7 @@ def plan_ahead(
     *,
     group: dist.ProcessGroup,
     config: BalanceConfig | None = None,
+    replica_group: dist.ProcessGroup | Sequence[int] | None = None,
     pixel_values_videos: torch.Tensor | None = None,
     video_grid_thw: torch.Tensor | None = None,
 ) -> PlannedBatch:
@@ -79,6 +81,8 @@ def plan_ahead(
         image_grid_thw: their ``[t, h, w]`` rows (on the CPU: reading them waits for nothing).
         group: the group to gather over (gloo: everything stays on the CPU).
         config: balancing settings; must be the step's.
+        replica_group: the ranks holding this rank's batch, as the step names them
+            (``dp_balance_vit_encoder``; global ranks or a process group); must be the step's.
         pixel_values_videos, video_grid_thw: a Hugging Face VLM's videos of the batch.
 
     Returns:
@@ -100,8 +104,15 @@ def plan_ahead(
         pixel_values = torch.empty(0, 0, device="cpu")
         image_grid_thw = torch.empty(0, 3, dtype=torch.long, device="cpu")
     planner, merge = settings
+    replicas = replica_ranks(group, replica_group)
     grid, routing, solved = solve_for_rank(
-        pixel_values, image_grid_thw, merge, planner, group, module_key=layout_token(module)
+        pixel_values,
+        image_grid_thw,
+        merge,
+        planner,
+        group,
+        module_key=layout_token(module),
+        replicas=replicas,
     )
     Routing.of(routing)  # parse it here, not in the step
     return PlannedBatch(
@@ -111,6 +122,7 @@ def plan_ahead(
         settings=settings,
         ranks=group_ranks(group),
         batch=batch_key(pixel_values, image_grid_thw),
+        replicas=replicas,
     )
 
 

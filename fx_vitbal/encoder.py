@@ -13,6 +13,7 @@ swap untouched, and ``plain_forward`` finds the original again.
 """
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ def dp_balance_vit_encoder(
     *,
     config: BalanceConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | Sequence[int] | None = None,
     plan=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Run ``vit`` on a batch balanced across the data-parallel group; return its outputs in the
@@ -53,19 +55,32 @@ def dp_balance_vit_encoder(
     the call with ``fx_vitbal.use_plan(vit, plan)`` instead (``fullgraph=True`` cannot leave the
     graph to take it here).
 
+    ``replica_group``: the ranks of ``group`` that hold the same batch as this rank, itself
+    included (its context-, sequence- or tensor-parallel group; a process group or its global
+    ranks): each image is then computed once in the whole group and its outputs come back to
+    every rank of the set, and the output gradients of the set's ranks are summed where it was
+    computed. Pixel gradients go to one rank of the set per unit (the one that sent them, or
+    the computing rank when it is in the set), zeros on the others: summed over the set they
+    are the unbalanced run's. None: each rank is its own set (the same plan and collectives).
+    Every rank of a set must pass the same batch; replica groups must partition ``group`` into
+    sets of one size.
+
     Returns:
         ``(pixel_embeds, window_index, deepstack_pixel_embeds)``, each embedding in the layout
         the ViT gave it; ``window_index`` is regenerated from the original grid (a tensor, or None
         when the ViT returns None).
 
     Raises:
-        ValueError: on every rank, when any rank's input or ViT output is malformed, or its
-            batch is not the one ``plan`` was made for (``fx_vitbal.ahead``).
+        ValueError: on every rank, when any rank's input or ViT output is malformed, its
+            batch is not the one ``plan`` was made for (``fx_vitbal.ahead``), the replica
+            groups do not partition ``group``, or the ranks of a set hold different grids or
+            pixels.
         TypeError: ``vit`` has no ``spatial_merge_size``.
     """
     if plan is not None:
         _hand_over(vit, plan)
-    return _balanced_call(vit, plain_forward(vit), pixel_values, image_grid_thw, config, group)
+    call = plain_forward(vit)
+    return _balanced_call(vit, call, pixel_values, image_grid_thw, config, group, replica_group)
 
 
 def enable_vit_balance(
@@ -73,6 +88,7 @@ def enable_vit_balance(
     *,
     config: BalanceConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | Sequence[int] | None = None,
     vit: str | nn.Module | None = None,
 ) -> nn.Module:
     """Balance the ViT inside ``model`` (or ``model`` itself) in place; returns ``model``.
@@ -87,6 +103,8 @@ def enable_vit_balance(
     ``torch.compile``) are seen through.
 
     Args:
+        replica_group: the ranks of ``group`` holding this rank's batch
+            (``dp_balance_vit_encoder``).
         vit: the ViT, or its dotted path in ``model`` (a Hugging Face VLM's tower too). Default:
             ``model`` if its class is registered, else the first submodule named one of
             ``VIT_CHILD_NAMES``, else the first submodule of a registered class.
@@ -98,19 +116,25 @@ def enable_vit_balance(
     for entry in entry_points():  # models of a kind another entry point balances (Hugging Face)
         if entry.accepts is not None and entry.accepts(inner):
             tower = None if vit is None else find_vit(inner, vit)
-            entry.enable(inner, config=config, group=group, tower=tower)
+            entry.enable(
+                inner, config=config, group=group, replica_group=replica_group, tower=tower
+            )
             return model
     module = find_vit(inner, vit)
     original = getattr(module, "_vitbal_original_forward", module.forward)
     module._vitbal_original_forward = original
     module._vitbal_planner = planner_for(module, config or BalanceConfig())
-    module.forward = functools.partial(_in_place_call, module, original, config, group)
+    module.forward = functools.partial(
+        _in_place_call, module, original, config, group, replica_group
+    )
     return model
 
 
-def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=None, planner=None):
+def _balanced_call(
+    vit, call, pixel_values, image_grid_thw, config=None, group=None, replicas=None, planner=None
+):
     config = config or DEFAULT_CONFIG
-    dist_info = active_group(vit, config, group)
+    dist_info = active_group(vit, config, group, replicas)
     if dist_info is None:
         if pixel_values is None:  # no images here and nothing to take part in
             return None, None, []
@@ -138,9 +162,11 @@ def _balanced_call(vit, call, pixel_values, image_grid_thw, config=None, group=N
     return outputs[0], window_index, list(outputs[1:])
 
 
-def _in_place_call(vit, original, config, group, pixel_values, image_grid_thw):
+def _in_place_call(vit, original, config, group, replicas, pixel_values, image_grid_thw):
     planner = vit._vitbal_planner
-    return _balanced_call(vit, original, pixel_values, image_grid_thw, config, group, planner)
+    return _balanced_call(
+        vit, original, pixel_values, image_grid_thw, config, group, replicas, planner
+    )
 
 
 @torch.compiler.disable(

@@ -86,6 +86,7 @@ _MODALITIES = (
 class _Balance(NamedTuple):
     config: BalanceConfig
     group: dist.ProcessGroup | None
+    replica_group: dist.ProcessGroup | None
     planner: str
     rule: HFTowerRule
     merge: int
@@ -102,6 +103,7 @@ def enable_hf_vit_balance(
     *,
     config: BalanceConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | None = None,
     tower: nn.Module | None = None,
 ) -> nn.Module:
     """Balance the vision tower of an HF VLM (or the tower itself) in place; returns ``model``.
@@ -110,7 +112,8 @@ def enable_hf_vit_balance(
     with no other change, including ranks without images. With a bare tower, every rank must
     call it at the same steps (with ``[0, C]`` pixels and a ``[0, 3]`` grid when it has none).
     ``tower``: the tower when ``model.get_encoder(modality="image")`` does not find it. Calling
-    it again updates config and group.
+    it again updates config and groups. ``replica_group``: the ranks of ``group`` holding this
+    rank's batch (``fx_vitbal.dp_balance_vit_encoder`` says more).
 
     Raises:
         TypeError: the tower's class has no rule (``register_hf_tower``) or is refused, or a
@@ -123,7 +126,8 @@ def enable_hf_vit_balance(
     tower = tower if tower is not None else _find_tower(model)
     rule = _rule_of(tower)
     planner = planner_spec_for(config, architecture_cost(tower), rule.frames_independent)
-    tower._vitbal_hf = _Balance(config, group, planner, rule, rule.merge_size(tower))
+    merge = rule.merge_size(tower)
+    tower._vitbal_hf = _Balance(config, group, replica_group, planner, rule, merge)
     layout_token(tower)  # made now, so graphs traced later read it as a constant
     original = getattr(tower, "_vitbal_original_forward", tower.forward)
     tower._vitbal_original_forward = original
@@ -191,13 +195,13 @@ def architecture_cost(tower: nn.Module) -> ArchitectureCost:
 def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     """The tower's forward, balanced; pixels and outputs in the tower's own format (with a
     leading batch dimension where its rule says so)."""
-    config, group, planner, rule, merge = tower._vitbal_hf
+    config, group, replica_group, planner, rule, merge = tower._vitbal_hf
     pixels = args[0] if args else kwargs.pop(_pixels_argument(original))
     grid_thw = args[1] if len(args) > 1 else kwargs.pop("grid_thw")
     pending = tower.__dict__.get("_vitbal_replay")
     if pending is not None:  # the parent's feature code, run on restored outputs (replay)
         return replayed(tower, pending, pixels, kwargs.get("return_dict", True))
-    dist_info = active_group(tower, config, group)
+    dist_info = active_group(tower, config, group, replica_group)
     if dist_info is None:
         return original(pixels, grid_thw=grid_thw, **kwargs)
     # Problems found here raise on every rank, through the plan (never here, alone).
@@ -249,7 +253,7 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     on ranks that have pixels, so a wrapped parent never reaches its own feature code except
     through here: the ``vitbal`` backend refuses graphs that do (an unwrapped VLM).
     """
-    config, group, _, rule, merge = tower._vitbal_hf
+    config, group, _, _, rule, merge = tower._vitbal_hf
     active = active_group(tower, config, group) is not None
     kwargs = {**dict(zip(params[: len(args)], args, strict=True)), **kwargs}
     if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):

@@ -40,18 +40,30 @@ VITBAL_OPS = (
 
 
 def make_vitbal_backend(
-    *, inner: str = "inductor", config: BalanceConfig | None = None, group=None, vit=None
+    *,
+    inner: str = "inductor",
+    config: BalanceConfig | None = None,
+    group=None,
+    replica_group=None,
+    vit=None,
 ):
     """A ``torch.compile`` backend balancing the ViT and delegating to the ``inner`` backend.
 
     Args:
         inner: any registered backend name (``inductor``, ``aot_eager``, ...).
-        config, group, vit: passed to ``apply_vit_balance_pass``.
+        config, group, replica_group, vit: passed to ``apply_vit_balance_pass``.
     """
 
     def backend(gm: fx.GraphModule, example_inputs, **kwargs):
         return vitbal_backend(
-            gm, example_inputs, inner=inner, config=config, group=group, vit=vit, **kwargs
+            gm,
+            example_inputs,
+            inner=inner,
+            config=config,
+            group=group,
+            replica_group=replica_group,
+            vit=vit,
+            **kwargs,
         )
 
     return backend
@@ -64,14 +76,16 @@ def vitbal_backend(
     inner: str = "inductor",
     config: BalanceConfig | None = None,
     group=None,
+    replica_group=None,
     vit=None,
     options: dict | None = None,
     **kwargs,
 ):
     """``torch.compile(model, backend="vitbal", options={"inner": "aot_eager"})``.
 
-    ``options`` may carry ``inner``, ``config``, ``group`` and ``vit`` (the ViT module, needed to
-    balance a ViT marked with ``nested_compile_region``); the rest goes to the inner backend (for
+    ``options`` may carry ``inner``, ``config``, ``group``, ``replica_group`` and ``vit`` (the
+    ViT module, needed to balance a ViT marked with ``nested_compile_region``); the rest goes to
+    the inner backend (for
     inductor, as config patches, with ``torch.compile``'s ``mode``: ``mode="reduce-overhead"``
     is ``triton.cudagraphs``). A graph with balancing ops compiled by inductor gets the
     settings this torch needs for them (``_compat.INDUCTOR_CONFIG_PATCHES``), unless the options
@@ -84,9 +98,10 @@ def vitbal_backend(
     inner = options.pop("inner", inner)
     config = options.pop("config", config)
     group = options.pop("group", group)
+    replica_group = options.pop("replica_group", replica_group)
     vit = options.pop("vit", vit)
     before = _count_ops(gm)
-    apply_vit_balance_pass(gm, config=config, group=group, vit=vit)
+    apply_vit_balance_pass(gm, config=config, group=group, replica_group=replica_group, vit=vit)
     added = _count_ops(gm) - before
     if added:
         _require_dynamic_output_shapes(example_inputs)

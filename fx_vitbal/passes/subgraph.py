@@ -47,13 +47,16 @@ def insert_plan_and_redistribute(
     group_name: str,
     active: fx.Node | bool,
     layout_token: fx.Node | int,
+    replicas: tuple[int, ...] = (),
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Add ``plan`` and ``redistribute`` at the insertion point; return the balanced pixels,
     the balanced grid and the routing (shared by both kinds of ViT call). ``active`` (balancing
     on for this call) is a node when the graph decides it as it runs; ``layout_token`` names the
-    ViT for its agreed output layouts (``settings.layout_token``)."""
+    ViT for its agreed output layouts (``settings.layout_token``); ``replicas``: the group ranks
+    holding this rank's batch (``runtime.replicas``), passed only when there are some."""
     args = (pixels, grid, merge, planner, world_size, group_name, active, layout_token)
-    plan = graph.call_function(_PLAN, args)
+    kwargs = {"replicas": list(replicas)} if replicas else {}
+    plan = graph.call_function(_PLAN, args, kwargs)
     grid_b = graph.call_function(operator.getitem, (plan, 0))
     routing = graph.call_function(operator.getitem, (plan, 1))
     area = merge * merge
@@ -85,6 +88,7 @@ def rewrite_subgraph_call(
     layout_token: int,
     group_name: str,
     world_size: int,
+    replicas: tuple[int, ...] = (),
 ) -> None:
     """Insert plan -> redistribute before ``node`` and restore after it (see module doc).
 
@@ -109,7 +113,16 @@ def rewrite_subgraph_call(
             )
     with graph.inserting_before(node):
         pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph, pixels, grid, merge, planner, world_size, group_name, active, layout_token
+            graph,
+            pixels,
+            grid,
+            merge,
+            planner,
+            world_size,
+            group_name,
+            active,
+            layout_token,
+            replicas,
         )
         sizes = {
             _symbol(pixels): graph.call_function(_SYM_SIZE, (pixels_b, 0)),

@@ -12,6 +12,7 @@ Invariants:
 import inspect
 import logging
 import operator
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from fx_vitbal.runtime.settings import (
     in_balancing_mode,
     layout_token,
     planner_for,
+    replica_ranks,
 )
 from fx_vitbal.runtime.vits import (
     find_vit,
@@ -72,6 +74,7 @@ def apply_vit_balance_pass(
     *,
     config: BalanceConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | Sequence[int] | None = None,
     vit: str | nn.Module | None = None,
     group_name: str | None = None,
     world_size: int | None = None,
@@ -109,6 +112,8 @@ def apply_vit_balance_pass(
     Args:
         vit: the ViT module, or its qualified name in ``gm`` (default: found like
             ``enable_vit_balance``).
+        replica_group: the ranks of the group holding this rank's batch (as
+            ``dp_balance_vit_encoder`` takes it); the plan node then names them (group ranks).
         group_name, world_size: override the group (e.g. fixed values for graph snapshots).
 
     Returns:
@@ -126,6 +131,7 @@ def apply_vit_balance_pass(
     if dist_info is None or not config.enabled:
         log.debug("apply_vit_balance_pass: nothing to do (group %s)", dist_info)
         return gm
+    dist_info = (*dist_info, replica_ranks(group, replica_group))
     target = vit if isinstance(vit, str) else _vit_target(gm, vit)
     calls = [
         n
@@ -177,7 +183,7 @@ def _already_balanced(node: fx.Node) -> bool:
     )
 
 
-def _rewrite(gm, node, module, planner, merge, when, group_name, world_size) -> None:
+def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, replicas) -> None:
     graph = gm.graph
     uses = _index_users(node)
     bound = inspect.signature(unwrap_module(module).forward).bind(*node.args, **node.kwargs)
@@ -189,7 +195,7 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size) -> 
         active = graph.call_function(in_balancing_mode, (vit, when))
         token = graph.call_function(layout_token, (vit,))
         pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph, pixels, grid, merge, planner, world_size, group_name, active, token
+            graph, pixels, grid, merge, planner, world_size, group_name, active, token, replicas
         )
     bound.arguments[pixels_name] = pixels_b
     bound.arguments[grid_name] = grid_b

@@ -47,6 +47,8 @@ def run_balanced(
       ``find_unused_parameters`` needs it). The choice is the caller's, the same on every rank,
       so FSDP's backward collectives stay matched. (Under ``torch.compile`` the dummy unit always
       runs with gradients: zeros.)
+    ``dist_info``: ``(group name, world size, replicas)``, as ``settings.active_group`` gives it
+    (``replicas``: the group ranks holding this rank's batch, ``runtime.replicas``; empty: none).
     ``module``: the ViT, which names its agreed output layouts (``layouts.layout_key``) and a
     plan made ahead for it (``runtime.handover``: it replaces the plan op's gather and solve), and
     whose trainable parameters' gradients mark the end of its backward for the measured times
@@ -56,7 +58,7 @@ def run_balanced(
     Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
     never waits for the ViT (``ops.restore``).
     """
-    group_name, world_size = dist_info
+    group_name, world_size, replicas = dist_info
     area = merge * merge
     compiling = torch.compiler.is_compiling()
     module_key = layout_token(module) if module is not None else 0
@@ -71,6 +73,7 @@ def run_balanced(
         module_key,
         problem,
         compiling,
+        list(replicas) or None,
     )
     # A problem is raised by the plan on every rank; its output keeps the op in the graph. With
     # a plan made ahead (no gather), the rank's batch counts as not planned instead: it takes

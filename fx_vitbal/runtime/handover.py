@@ -53,6 +53,9 @@ class PlannedBatch:
     """Global ranks of the planning group, in group order."""
     batch: BatchKey
     """This rank's batch as planned (see ``batch_key``)."""
+    replicas: tuple[int, ...] = ()
+    """The group ranks holding this rank's batch it was planned with (``runtime.replicas``);
+    the step must name the same."""
 
 
 def batch_key(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> BatchKey:
@@ -89,12 +92,14 @@ def step_outputs(
     max_units: int,
     grad_fixed: bool,
     problem: int = 0,
+    replicas: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``vitbal::plan``'s outputs ``(balanced grid, routing)`` from ``planned`` (module doc).
     ``max_units``: the routing size the op's fake kernel gives this call; ``grad_fixed``: the
     call is compiled, so its pixels' ``requires_grad`` is not compared; ``problem``: a
     ``metadata.PROBLEMS`` code the caller found, which with no gather to carry it makes this
-    rank's batch not the one planned.
+    rank's batch not the one planned; ``replicas``: the step's replica ranks, which must be the
+    planned ones (else the batch counts as not planned).
 
     Raises:
         ValueError: the planning group's ranks are not the step group's, in the same order.
@@ -109,6 +114,7 @@ def step_outputs(
     same = (
         not problem
         and settings == planned.settings
+        and replicas == planned.replicas
         and _same_shapes(planned.batch, pixel_values, grid_thw, grad_fixed)
     )
     if not route.applied:  # nothing moves anywhere: this rank's own batch, as it is
@@ -137,7 +143,8 @@ def step_outputs(
         want = transfer.to_device(want, grid_thw.device)
         status.flag_not_as_planned(group.group_name, route.step, (grid_thw != want).any())
     units = max(max_units, len(route.unit_rows))  # only a batch that differs needs more
-    if not mismatched and planned.routing.numel() == routing_size(units, len(step_ranks)):
+    size = routing_size(units, len(step_ranks), route.replicated)
+    if not mismatched and planned.routing.numel() == size:
         return grid, planned.routing  # as planned: with its clock (``measure.clock``)
     routing = route.repacked(planned.routing, mismatched=mismatched, max_units=units)
     routing._vitbal_clock = getattr(planned.routing, "_vitbal_clock", None)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fx_vitbal.measure.measurements import REPORT_FIELDS
-from fx_vitbal.runtime import collectives, transfer
+from fx_vitbal.runtime import collectives, replicas, transfer
 from fx_vitbal.runtime.rows import DTYPES, row_numel
 
 # Grid rows that ride in the metadata header; ranks with more need a second gather.
@@ -36,7 +36,10 @@ INLINE_GRID_ROWS = 32
     _GRAD,
     _GRAD_FIXED,
     _NEW_LAYOUT,
-) = range(10)
+    _SET,  # replicas.declare's fields, then its checksum's
+) = range(11)
+_CHECKSUM = _SET + replicas.DECLARED_FIELDS
+_REPORT = _CHECKSUM + replicas.CHECKSUM_FIELDS
 
 
 # Problems the caller found before the plan (a status of their own: every rank raises them).
@@ -65,6 +68,9 @@ class Gathered:
     """Every rank's ``REPORT_FIELDS`` measured-time fields (``fx_vitbal.measure``)."""
     check_layouts: bool = False
     """Some rank has no output layouts agreed for this call's key (``layouts_agreed``)."""
+    sets: list[tuple[int, ...]] | None = None
+    """The replica sets, ranks ascending, ordered by lowest rank (``runtime.replicas``); None
+    when each rank is its own."""
 
 
 def gather_grids(
@@ -78,6 +84,7 @@ def gather_grids(
     problem: int = 0,
     grad_fixed: bool = False,
     new_layout: bool = False,
+    replica_ranks: Sequence[int] = (),
 ) -> Gathered:
     """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
 
@@ -89,10 +96,14 @@ def gather_grids(
     int64s, zero-padded) rides in the same header: this rank's measured times of an earlier call.
     ``problem``: a ``PROBLEMS`` code the caller found (it wins over the input's own status);
     ``grad_fixed``: this rank's pixels cannot be made to require gradients (a compiled call);
-    ``new_layout``: this rank has no output layouts agreed for the call.
+    ``new_layout``: this rank has no output layouts agreed for the call; ``replica_ranks``: the
+    ranks of ``group`` that hold this rank's batch (``runtime.replicas``: its declaration and
+    pixel checksum ride in the header; sets that do not partition the group, or whose ranks
+    hold different grids or pixels, make every rank raise).
 
     Where the metadata lives on a device (a group without a CPU backend), a grid on that device
-    is checked there, so the gathered header is the only value read back: one host sync.
+    is checked there, so the gathered header is the only value read back: one host sync. (With
+    replica sets, pixels on a device and the header on the host, their checksum is one more.)
 
     Raises:
         ValueError: on every rank, naming each bad rank and its problem.
@@ -116,6 +127,8 @@ def gather_grids(
         int(pixel_values.requires_grad),
         int(grad_fixed),
         int(new_layout),
+        *replicas.declare(replica_ranks, dist.get_rank(group)),
+        *[0] * replicas.CHECKSUM_FIELDS,
         *report,
         *[0] * (REPORT_FIELDS - len(report)),
     ]
@@ -125,16 +138,19 @@ def gather_grids(
         inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
         values = [status, arg0, arg1, *fields, *sum(inline, [])]
         local = transfer.to_device(torch.tensor(values, dtype=torch.int64, device="cpu"), device)
+    if len(replica_ranks) > 1:  # where the header lives: a read only if the pixels are elsewhere
+        checksum = replicas.pixel_checksum(pixel_values)
+        local[_CHECKSUM:_REPORT] = checksum.to(local.device, non_blocking=local.is_cuda)
     gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
     collectives.all_gather(gathered, local, group)
     values = gathered.view(world, local.numel()).tolist()  # the step's one host read
     size = 3 + len(fields)
     headers = [v[:size] for v in values]
-    _raise_on_bad_input(headers)
+    sets = _raise_on_bad_input(headers)
     with_pixels = [h for h in headers if h[_ROW_NUMEL]] or [[0] * size]
     numel, dtype_code = with_pixels[0][_ROW_NUMEL], with_pixels[0][_DTYPE]
     agreed = (numel, dtype_code, any(h[_GRAD] for h in headers))
-    reports_R = [h[_NEW_LAYOUT + 1 :] for h in headers]
+    reports_R = [h[_REPORT:] for h in headers]
     check = any(h[_NEW_LAYOUT] for h in headers)
     max_rows = max(h[_NUM_ROWS] for h in headers)
     if max_rows <= INLINE_GRID_ROWS:  # the usual step: one collective, one host read
@@ -142,7 +158,7 @@ def gather_grids(
             [v[size + 3 * i : size + 3 * i + 3] for i in range(h[_NUM_ROWS])]
             for v, h in zip(values, headers, strict=True)
         ]
-        return Gathered(grids_R, *agreed, reports_R, check)
+        return _agreed_in_sets(Gathered(grids_R, *agreed, reports_R, check, sets), headers)
     if on_device:
         padded = grid_thw.new_zeros(max_rows, 3, dtype=torch.int64)
         padded[: grid_thw.shape[0]] = grid_thw
@@ -154,7 +170,21 @@ def gather_grids(
     collectives.all_gather(grids_R, padded.flatten(), group)
     grids = grids_R.view(world, max_rows, 3).tolist()
     grids_R = [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
-    return Gathered(grids_R, *agreed, reports_R, check)
+    return _agreed_in_sets(Gathered(grids_R, *agreed, reports_R, check, sets), headers)
+
+
+def _agreed_in_sets(gathered: Gathered, headers: list[list[int]]) -> Gathered:
+    """``gathered``, once every replica set's ranks hold the same grids and pixels.
+
+    Raises:
+        ValueError: on every rank, naming each set whose ranks disagree.
+    """
+    if gathered.sets is not None:
+        checksums_R = [h[_CHECKSUM:_REPORT] for h in headers]
+        problems = replicas.check_agreement(gathered.sets, gathered.grids_R, checksums_R)
+        if problems:
+            raise ValueError("vit dp balance: bad input; " + "; ".join(problems))
+    return gathered
 
 
 def settings_fingerprint(planner: str, merge_size: int, world_size: int, calls: int = 0) -> int:
@@ -264,7 +294,8 @@ def _describe(status: int, arg0: int, arg1: int) -> str:
     }[status]
 
 
-def _raise_on_bad_input(headers: list[list[int]]) -> None:
+def _raise_on_bad_input(headers: list[list[int]]) -> list[tuple[int, ...]] | None:
+    """Raise every rank's problems, the same on every rank; else return the replica sets."""
     problems = [
         f"rank {r}: {_describe(h[_STATUS], h[_ARG0], h[_ARG1])}"
         for r, h in enumerate(headers)
@@ -297,5 +328,9 @@ def _raise_on_bad_input(headers: list[list[int]]) -> None:
                 if h[_ROW_NUMEL]
             ]
             problems.insert(0, "ranks disagree on pixel_values dtype or row width")
+    sets = None
+    if not problems:
+        sets, problems = replicas.check_declarations([h[_SET:_CHECKSUM] for h in headers])
     if problems:
         raise ValueError("vit dp balance: bad input; " + "; ".join(problems))
+    return sets

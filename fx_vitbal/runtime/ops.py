@@ -72,7 +72,9 @@ def redistribute(
         clock = getattr(routing, "_vitbal_clock", None)
         timed = clock is not None and clock.timing_exchange(False, xs[0].device)
         start = clock.mark() if timed else None
-        blocks_xs, _ = exchange(blocks_xs, route, merge_area, False, resolve_group(group_name))
+        group = resolve_group(group_name)
+        # ``check_status`` marks output gradients: with replica sets, they come from every rank.
+        blocks_xs, _ = exchange(blocks_xs, route, merge_area, False, group, None, check_status)
         if timed:  # --- the pixels' exchange, timed (fx_vitbal.measure.clock)
             moved = _crossing_bytes(xs, block_rows, merge_area, route, group_name)
             clock.add_exchange(start, clock.mark(), moved)
@@ -161,7 +163,8 @@ def restore(
         block_rows = [n for n, _, _ in agreed]
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     blocks_xs = with_dummy(blocks_xs, dummy, add=False)
-    moved, words_R = exchange(blocks_xs, route, merge_area, True, group, word)
+    # ``check_layouts`` marks ViT outputs: with replica sets, they go to every rank of a set.
+    moved, words_R = exchange(blocks_xs, route, merge_area, True, group, word, check_layouts)
     if words_R is not None:
         status.expect(group_name, route.step, words_R)
         clock = getattr(routing, "_vitbal_clock", None)

@@ -18,12 +18,14 @@ from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.cost.static import CostModel
 from fx_vitbal.measure.measurements import measurements_for
 from fx_vitbal.measure.stats import defer, publish
+from fx_vitbal.plan.replicas import solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime import handover, status, transfer
 from fx_vitbal.runtime.collectives import group_ranks, resolve_group
 from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
 from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
+from fx_vitbal.runtime.replicas import routing_for_sets
 from fx_vitbal.runtime.routing import (
     balanced_grid,
     local_outputs,
@@ -48,6 +50,7 @@ def plan(
     module_key: int = 0,
     problem: int = 0,
     grad_fixed: bool = False,
+    replicas: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``.
 
@@ -60,7 +63,8 @@ def plan(
     layouts (``layouts.layout_key``) and for a plan made ahead for it, which replaces the gather
     and the solve (``runtime.handover``); ``problem`` is a ``metadata.PROBLEMS`` code the caller
     found, raised on every rank; ``grad_fixed``: this call is compiled, so its pixels'
-    ``requires_grad`` cannot follow the other ranks'.
+    ``requires_grad`` cannot follow the other ranks'. ``replicas``: the group ranks holding this
+    rank's batch, itself included (``runtime.replicas``; None or one rank: its own set).
     """
     group = resolve_group(group_name)
     if dist.get_world_size(group) != world_size:
@@ -75,11 +79,28 @@ def plan(
     if planned is not None:  # made ahead (fx_vitbal.plan_ahead): no gather, no solve
         units = max_units(pixel_values.shape[0], merge_size)
         settings = (planner, merge_size)
+        replica_ranks = tuple(replicas or ())
         return handover.step_outputs(
-            planned, pixel_values, grid_thw, settings, group, units, grad_fixed, problem
+            planned,
+            pixel_values,
+            grid_thw,
+            settings,
+            group,
+            units,
+            grad_fixed,
+            problem,
+            replica_ranks,
         )
     grid, routing, _ = solve_for_rank(
-        pixel_values, grid_thw, merge_size, planner, group, module_key, problem, grad_fixed
+        pixel_values,
+        grid_thw,
+        merge_size,
+        planner,
+        group,
+        module_key,
+        problem,
+        grad_fixed,
+        tuple(replicas or ()),
     )
     return grid, routing
 
@@ -93,6 +114,7 @@ def solve_for_rank(
     module_key: int = 0,
     problem: int = 0,
     grad_fixed: bool = False,
+    replicas: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
     gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``."""
@@ -116,21 +138,28 @@ def solve_for_rank(
         problem=problem,
         grad_fixed=grad_fixed,
         new_layout=layouts_agreed(ranks, key) is None,
+        replica_ranks=replicas,
     )
     measured = state.observe(gathered.reports_R)
     pixel_bytes = gathered.row_numel * DTYPES[gathered.dtype_code].itemsize
     exchange_model = state.exchange_model(pixel_bytes, gathered.pixels_need_grad)
-    solved, units_R, note = plan_units(
+    solved, units_R, note, replica_layout = plan_units(
         gathered.grids_R,
         rank,
         planner,
         cost_model=state.cost_model(),
         exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
+        sets=gathered.sets,
     )
     call_id = next(_CALL_IDS)
     step, clock = state.begin(solved, units_R, merge_size)
-    routing = dataclasses.replace(
-        local_routing(solved, units_R, rank, merge_size),
+    if replica_layout is None:
+        route, rows = local_routing(solved, units_R, rank, merge_size), None
+    else:  # the local units are the set's
+        held, units_S = replica_layout
+        route, rows = routing_for_sets(solved, held, gathered.sets, units_S, rank, merge_size)
+    route = dataclasses.replace(
+        route,
         any_units=any(units_R),
         row_numel=gathered.row_numel,
         dtype_code=gathered.dtype_code,
@@ -139,16 +168,16 @@ def solve_for_rank(
         layout_key=key,
         check_layouts=gathered.check_layouts,
     )
-    rows = balanced_grid(solved, units_R, rank, merge_size)
-    if not solved.applied:  # the original batch (as gathered: no device read), or the dummy
+    rows = rows or balanced_grid(solved, units_R, rank, merge_size)
+    if not route.applied:  # the original batch (as gathered: no device read), or the dummy
         rows = gathered.grids_R[rank] or rows
     grid = transfer.to_device(
         torch.tensor(rows, dtype=grid_thw.dtype, device="cpu"), grid_thw.device
     )
-    routing = routing.to_tensor(max_units(pixel_values.shape[0], merge_size))
+    routing = route.to_tensor(max_units(pixel_values.shape[0], merge_size))
     routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
     defer(call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model))
-    if not solved.applied:  # nothing moves: the gather was the call's last collective
+    if not route.applied:  # nothing moves: the gather was the call's last collective
         publish(call_id)
     return grid, routing, solved
 
@@ -169,10 +198,12 @@ def _(
     module_key=0,
     problem=0,
     grad_fixed=False,
+    replicas=None,
 ):
     ctx = torch.library.get_ctx()
     grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit
-    size = routing_size(max_units(pixel_values.shape[0], merge_size), world_size)
+    replicated = len(replicas or ()) > 1
+    size = routing_size(max_units(pixel_values.shape[0], merge_size), world_size, replicated)
     routing = torch.empty(size, dtype=torch.int64, device="cpu")
     return grid, routing
 
@@ -186,24 +217,40 @@ def plan_units(
     spec: str,
     cost_model: CostModel | None = None,
     exchange_seconds=None,
-) -> tuple[Plan, list[list[tuple[int, int, int]]], str | None]:
+    sets: list[tuple[int, ...]] | None = None,
+) -> tuple[Plan, list[list[tuple[int, int, int]]], str | None, tuple | None]:
     """Cost every unit of every rank and solve the plan (same result on every rank).
 
     ``cost_model`` replaces the spec's (the online model fitted this step, ``fx_vitbal.measure``);
     ``exchange_seconds`` goes to ``solve_plan``. The memo of unit costs lives for this call only.
-    Returns ``(plan, units per rank, the --dp-balance-verbose line on rank 0 or None)``: the
-    caller prints it once the call's last collective is done.
+    ``sets``: replica sets (``runtime.replicas``), whose ranks hold one grid each: their units
+    are planned once (``plan.replicas.solve_for_sets``).
+    Returns ``(plan, units per rank, the --dp-balance-verbose line on rank 0 or None, replica
+    layout)``: the caller prints the line once the call's last collective is done. With replica
+    sets, the units per rank are the units each rank holds in the plan's layout, and the replica
+    layout is ``(held, units of each set)`` (``solve_for_sets``); else it is None.
     """
     config, spec_cost = parse_planner_spec(spec)
     cost_model = spec_cost if cost_model is None else cost_model
-    units_R = [split_units(grid, config.split_frames) for grid in grids_R]
-    costs, tokens = cost_units(units_R, cost_model)
-    plan = solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds)
+    if sets is None:
+        units_R = [split_units(grid, config.split_frames) for grid in grids_R]
+        costs, tokens = cost_units(units_R, cost_model)
+        plan = solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds)
+        replica_layout = None
+    else:
+        units_S = [split_units(grids_R[ranks[0]], config.split_frames) for ranks in sets]
+        costs, tokens = cost_units(units_S, cost_model)
+        plan, held = solve_for_sets(
+            costs, tokens, sets, config=config, exchange_seconds=exchange_seconds
+        )
+        set_of = {r: s for s, ranks in enumerate(sets) for r in ranks}
+        units_R = [[units_S[set_of[r]][i] for i in held[r]] for r in range(len(held))]
+        replica_layout = held, units_S
     step = next(_plan_calls)
     note = None
     if config.verbose and rank == 0:
         note = describe_plan(plan, step, sum(map(sum, tokens)))
-    return plan, units_R, note
+    return plan, units_R, note, replica_layout
 
 
 def cost_units(

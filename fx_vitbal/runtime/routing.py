@@ -44,7 +44,8 @@ class Routing:
     Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
     ``[applied | 2 * mismatched | 4 * check_layouts, num_units, world, dummy_rows, any_units,
     row_numel, dtype_code, pixels_need_grad, step, layout_key, send_rows_R, recv_rows_R,
-    unit_rows_U, dest_U]``, zero-padded to ``routing_size(max_units, world)``. The padding gives
+    unit_rows_U, dest_U]`` (then ``set_of_R, rank, sender_U`` for replica sets, flag ``8``),
+    zero-padded to ``routing_size(max_units, world, replicated)``. The padding gives
     the tensor a size known from the inputs (``max_units`` follows from the pixel rows), so
     compiled graphs need no fresh data-dependent size for it.
     """
@@ -63,13 +64,24 @@ class Routing:
     step: int = 0
     layout_key: int = 0
     check_layouts: bool = False
+    set_of: list[int] = dataclasses.field(default_factory=list)
+    """Replica sets only (empty otherwise, ``replicated`` False): each rank's set. The local
+    units are then the set's, held by every rank of it (``runtime.replicas``)."""
+    sender: list[int] = dataclasses.field(default_factory=list)
+    """Replica sets only: the rank that sends each local unit's pixels to ``dest``, the rank
+    computing it (``dest`` itself when that is in the set: it has the pixels)."""
+    rank: int = -1
+    """Replica sets only: this rank (which of the local units it sends)."""
     runs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """Row ranges already worked out for this step, by ``(direction, shrink)``: the four moves
     of a step (two forward, two backward) work each out once."""
 
     def to_tensor(self, max_units: int) -> torch.Tensor:
         header = [
-            int(self.applied) | 2 * int(self.mismatched) | 4 * int(self.check_layouts),
+            int(self.applied)
+            | 2 * int(self.mismatched)
+            | 4 * int(self.check_layouts)
+            | 8 * int(self.replicated),
             len(self.unit_rows),
             len(self.send_rows),
             self.dummy_rows,
@@ -82,7 +94,8 @@ class Routing:
         ]
         assert len(header) == ROUTING_HEADER
         values = header + self.send_rows + self.recv_rows + self.unit_rows + self.dest
-        padding = routing_size(max_units, len(self.send_rows)) - len(values)
+        values += self.set_of + [self.rank] * self.replicated + self.sender
+        padding = routing_size(max_units, len(self.send_rows), self.replicated) - len(values)
         if padding < 0:
             raise ValueError(f"{len(self.unit_rows)} units do not fit in max_units={max_units}")
         return torch.tensor(values + [0] * padding, dtype=torch.int64, device="cpu")
@@ -91,7 +104,9 @@ class Routing:
         """This routing with ``changes`` made, packed for ``max_units`` (default: the size of
         ``routing``, its tensor)."""
         if max_units is None:
-            max_units = (routing.numel() - ROUTING_HEADER - 2 * len(self.send_rows)) // 2
+            per = 2 + self.replicated
+            rest = routing.numel() - ROUTING_HEADER - per * len(self.send_rows) - self.replicated
+            max_units = rest // per
         return dataclasses.replace(self, **changes).to_tensor(max_units)
 
     @classmethod
@@ -103,44 +118,16 @@ class Routing:
             routing._vitbal_routing = parsed
         return parsed
 
-    def send_runs(self, shrink: int) -> list[tuple[int, int]]:
-        """Row ranges of this rank's rows (``shrink`` pixel rows each) in destination order:
-        the units sorted by ``(dest, index)``, neighbours in both orders merged."""
-        key = ("send", shrink)
-        if key not in self.runs:
-            starts = [0, *itertools.accumulate(n // shrink for n in self.unit_rows)]
-            order = sorted(range(len(self.dest)), key=lambda i: (self.dest[i], i))
-            self.runs[key] = _merged((starts[i], starts[i + 1]) for i in order)
-        return self.runs[key]
-
-    def home_runs(self, shrink: int) -> list[tuple[int, int, int]]:
-        """``(source rank, first, end)`` row ranges, within each source's chunk of a move back
-        home, that put this rank's rows back in local order: a source returns the units it
-        computed for this rank in local order."""
-        key = ("home", shrink)
-        if key not in self.runs:
-            filled = [0] * len(self.send_rows)
-            ranges = []
-            for d, n in zip(self.dest, self.unit_rows, strict=True):
-                ranges.append((d, filled[d], filled[d] + n // shrink))
-                filled[d] += n // shrink
-            merged: list[tuple[int, int, int]] = []
-            for d, a, b in ranges:
-                if merged and merged[-1][0] == d and merged[-1][2] == a:
-                    merged[-1] = (d, merged[-1][1], b)
-                elif b > a:
-                    merged.append((d, a, b))
-            self.runs[key] = merged
-        return self.runs[key]
-
     @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
         values = routing.tolist()  # CPU tensor: no device sync
         flags, num_units, world, dummy_rows, any_units, row_numel, dtype_code, grad = values[:8]
         step, layout_key = values[8:ROUTING_HEADER]
         body = values[ROUTING_HEADER:]
-        if len(body) < 2 * num_units + 2 * world:
+        replicated = bool(flags & 8)
+        if len(body) < (2 + replicated) * (num_units + world) + replicated:
             raise ValueError(f"malformed routing tensor of {len(values)} values")
+        sets = body[2 * world + 2 * num_units :][: (world + 1 + num_units) * replicated]
         return cls(
             applied=bool(flags & 1),
             mismatched=bool(flags & 2),
@@ -156,23 +143,20 @@ class Routing:
             pixels_need_grad=bool(grad),
             step=step,
             layout_key=layout_key,
+            set_of=sets[:world],
+            rank=sets[world] if replicated else -1,
+            sender=sets[world + 1 :],
         )
+
+    @property
+    def replicated(self) -> bool:
+        """Whether ranks of this plan hold the same batch (``set_of``)."""
+        return bool(self.set_of)
 
     @property
     def dtype(self) -> torch.dtype:
         """The pixel dtype the ranks with pixels agree on."""
         return DTYPES[self.dtype_code]
-
-
-def _merged(ranges) -> list[tuple[int, int]]:
-    """Non-empty ``(first, end)`` ranges, each merged into the previous one it continues."""
-    merged: list[tuple[int, int]] = []
-    for a, b in ranges:
-        if merged and merged[-1][1] == a:
-            merged[-1] = (merged[-1][0], b)
-        elif b > a:
-            merged.append((a, b))
-    return merged
 
 
 def max_units(pixel_rows: int, merge_size: int) -> int:
@@ -195,9 +179,9 @@ def local_outputs(
     return transfer.to_device(dummy, grid_thw.device), routing
 
 
-def routing_size(max_units: int, world_size: int) -> int:
-    """Length of a packed routing tensor."""
-    return ROUTING_HEADER + 2 * world_size + 2 * max_units
+def routing_size(max_units: int, world_size: int, replicated: bool = False) -> int:
+    """Length of a packed routing tensor (``replicated``: with replica sets)."""
+    return ROUTING_HEADER + (2 + replicated) * (world_size + max_units) + replicated
 
 
 def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:

@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,13 +127,38 @@ def _settings(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
 
 
 def active_group(
-    vit: nn.Module, config: BalanceConfig, group: dist.ProcessGroup | None
-) -> tuple[str, int] | None:
-    """``(group_name, world_size)`` to balance this call over, or None when it runs plainly:
-    no multi-rank group, or balancing inactive (``balancing_active``). The one gate of every
-    path."""
+    vit: nn.Module,
+    config: BalanceConfig,
+    group: dist.ProcessGroup | None,
+    replica_group: "dist.ProcessGroup | Sequence[int] | None" = None,
+) -> tuple[str, int, tuple[int, ...]] | None:
+    """``(group_name, world_size, replicas)`` to balance this call over (``replica_ranks``), or
+    None when it runs plainly: no multi-rank group, or balancing inactive
+    (``balancing_active``). The one gate of every path."""
     dist_info = group_name_and_size(group)
-    return dist_info if dist_info is not None and balancing_active(vit, config) else None
+    if dist_info is None or not balancing_active(vit, config):
+        return None
+    return (*dist_info, replica_ranks(group, replica_group))
+
+
+@torch.compiler.assume_constant_result
+def replica_ranks(
+    group: dist.ProcessGroup | None, replica_group: "dist.ProcessGroup | Sequence[int] | None"
+) -> tuple[int, ...]:
+    """The ranks of ``group`` (default WORLD) that hold this rank's batch, as ranks in
+    ``group`` (ascending; -1 for a rank outside it): ``replica_group``'s, a process group or
+    its global ranks. Empty for None: each rank is its own set. The ranks are checked by the
+    plan, on every rank alike (``runtime.replicas``), not here: a wrong group must raise the
+    same error everywhere."""
+    if replica_group is None:
+        return ()
+    group = group or dist.group.WORLD
+    if isinstance(replica_group, dist.ProcessGroup):
+        members = dist.get_process_group_ranks(replica_group)
+    else:
+        members = [int(r) for r in replica_group]
+    in_group = dict(zip(dist.get_process_group_ranks(group), itertools.count(), strict=False))
+    return tuple(sorted(in_group.get(r, -1) for r in members))
 
 
 def balancing_active(vit: nn.Module, config: BalanceConfig) -> bool:

@@ -217,8 +217,8 @@ class EntryPoint:
     backend tells graphs traced through it from ViTs compiled without balancing."""
     accepts: Callable[[nn.Module], bool] | None = None
     """Whole models it balances (wrappers seen through): ``enable_vit_balance`` hands them to
-    ``enable(model, config=..., group=..., tower=...)`` (``tower``: the ViT the user named, or
-    None)."""
+    ``enable(model, config=..., group=..., replica_group=..., tower=...)`` (``tower``: the ViT
+    the user named, or None)."""
     enable: Callable[..., nn.Module] | None = None
     vit_code: Callable[[], dict[str, str]] = dict
     """Source files of the ViT classes it knows, imported so far -> class name."""
