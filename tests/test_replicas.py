@@ -1,0 +1,317 @@
+"""Replica sets (``replica_group``): ranks holding the same batch compute each unit once in the
+whole group, and every path gives each replica the replicated run's outputs and the group the
+replicated run's gradients.
+
+Each replica's loss reads a different slice of the outputs (as under context parallelism), so a
+gradient that is not summed over the set's ranks, or summed on the wrong rank, fails. Worlds: 4
+ranks (2 sets x 2, contiguous and interleaved) and 6 ranks (3 x 2 with a text-only set, 2 x 3
+interleaved).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import (
+    UNBACKED_BATCH_SIZES,
+    fullgraph_capture,
+    record_collectives,
+    record_moves,
+    run_ranks,
+)
+from test_autograd import _check, _entries, _vit_forward
+
+import fx_vitbal
+from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
+
+# Each set's batch, step by step (every replica of a set holds it); sets without images too.
+SET_STEPS = [
+    [[[1, 16, 12], [2, 4, 6], [1, 4, 4]], [[1, 2, 2]], [[1, 8, 8], [1, 4, 8]]],
+    [[[1, 4, 4]], [[1, 12, 8], [1, 2, 4], [2, 2, 2]], []],
+]
+WORLDS = {
+    "2x2": [[0, 1], [2, 3]],
+    "2x2 interleaved": [[0, 2], [1, 3]],
+    "3x2 with a text-only set": [[0, 1], [2, 3], [4, 5]],
+    "2x3 interleaved": [[0, 2, 4], [1, 3, 5]],
+}
+# Always plan (no trigger, no minimum gain), so even small batches move units between sets.
+CONFIG = fx_vitbal.BalanceConfig(trigger_threshold=0.0, min_gain=0.0)
+
+
+def _place(rank: int, sets) -> tuple[int, list[int], int]:
+    """``(set index, the set's ranks, this rank's position in it)``."""
+    s = next(i for i, ranks in enumerate(sets) if rank in ranks)
+    return s, sets[s], sets[s].index(rank)
+
+
+def _set_grids(step: int, s: int) -> list[list[int]]:
+    return SET_STEPS[step][s] if s < len(SET_STEPS[step]) else []
+
+
+def _slice_weight(rows: int, k: int, r: int, dtype) -> torch.Tensor:
+    """Replica ``k`` of ``r`` reads rows ``k/r`` to ``(k+1)/r`` of an output, position-weighted."""
+    w = torch.zeros(rows, 1, dtype=dtype)
+    w[k * rows // r : (k + 1) * rows // r] = 1.0
+    return w * torch.linspace(-1, 2, rows, dtype=dtype).view(rows, 1)
+
+
+def _model() -> OmniEncoderModel:
+    torch.manual_seed(0)  # the same weights on every rank
+    return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1)).double()
+
+
+def _vit_step(vit, balanced, pixels, grid, k, r, replicas):
+    """One ViT step on a set's batch: outputs, the group's parameter gradients and this rank's
+    pixel gradient (``torch.autograd.grad``)."""
+    pixels = pixels.clone().requires_grad_(True)
+    if balanced:
+        call = fx_vitbal.dp_balance_vit_encoder
+        embeds, _, deep = call(vit, pixels, grid, config=CONFIG, replica_group=replicas)
+    else:
+        embeds, _, deep = vit(pixels, grid)
+    loss = (embeds * _slice_weight(embeds.shape[0], k, r, embeds.dtype)).sum()
+    loss = loss + (deep[0] * _slice_weight(deep[0].shape[0], k, r, embeds.dtype)).sum()
+    params = list(vit.parameters())
+    grads = torch.autograd.grad(loss, [*params, pixels], allow_unused=True)
+    flat = torch.cat([g.flatten() if g is not None else p.new_zeros(p.numel())
+                      for g, p in zip(grads[:-1], params, strict=True)])  # fmt: skip
+    dist.all_reduce(flat)
+    return embeds.detach(), deep[0].detach(), flat, grads[-1]
+
+
+def _computed_rows(vit) -> list[int]:
+    """Records the pixel rows each call of ``vit`` computes."""
+    rows = []
+    vit.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
+    return rows
+
+
+def _eager(rank: int, world: int, sets) -> dict:
+    s, replicas, k = _place(rank, sets)
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
+    computed = _computed_rows(vit)
+    results = []
+    for step in range(len(SET_STEPS)):
+        _, pixels, grid = make_inputs(_set_grids(step, s), in_dim=24, seed=s, dtype=torch.float64)
+        want = _vit_step(vit, False, pixels, grid, k, len(replicas), replicas)
+        del computed[:]
+        with record_moves() as moves, record_collectives() as issued:
+            got = _vit_step(vit, True, pixels, grid, k, len(replicas), replicas)
+        # Pixel gradients: one replica per unit gets it; summed over the set, the replicated
+        # run's (each replica's own gradient, summed).
+        pixel_grads = [None] * world
+        dist.all_gather_object(pixel_grads, (got[3], want[3]))
+        summed = [sum(pixel_grads[r][i] for r in replicas) for i in (0, 1)]
+        results.append(
+            {
+                "got": got[:3],
+                "want": want[:3],
+                "pixel_grads": summed,
+                "rows": sum(int(g.prod(1).sum()) for g in [grid]),
+                "computed": list(computed),
+                "moves": moves,
+                "issued": issued,
+            }
+        )
+    return results
+
+
+@pytest.mark.parametrize("name", list(WORLDS))
+def test_each_unit_is_computed_once_and_every_replica_gets_the_replicated_outputs(name):
+    sets = WORLDS[name]
+    world = sum(map(len, sets))
+    results = run_ranks(_eager, world, sets)
+    for step in range(len(SET_STEPS)):
+        per_rank = [res[step] for res in results]
+        for rank, res in enumerate(per_rank):
+            for got, want in zip(res["got"], res["want"], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"rank {rank}")
+            torch.testing.assert_close(*res["pixel_grads"], rtol=1e-9, atol=1e-9)
+        # Each unit once: the group computes each set's rows once (plus a 4-row dummy unit on
+        # a rank that computes nothing), where the replicated run computes them r times.
+        once = sum(per_rank[ranks[0]]["rows"] for ranks in sets)
+        computed = sum(sum(res["computed"]) for res in per_rank)
+        assert once <= computed <= once + 4 * world, (once, computed)
+        # Lockstep: every rank issued the same collectives, and units left their ranks.
+        kinds = {tuple((p, n) for p, n, _, _ in res["issued"]) for res in per_rank}
+        assert len(kinds) == 1, kinds
+        assert any(sum(res["moves"]) for res in per_rank)
+
+
+def _model_step(run, model, grids, s, k, r, unbacked=False):
+    """One training step of a set's batch through ``run``: this replica's logits and the group's
+    all-reduced gradients, the loss reading this replica's slice of the sequence."""
+    input_ids, pixels, grid = make_inputs(grids, in_dim=24, seed=s, dtype=torch.float64)
+    if unbacked:
+        torch._dynamo.decorators.mark_unbacked(pixels, 0)
+        torch._dynamo.decorators.mark_unbacked(grid, 0)
+        torch._dynamo.mark_dynamic(input_ids, 0)
+    logits = run(input_ids, pixels, grid)
+    (logits * _slice_weight(logits.shape[0], k, r, logits.dtype)).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads)
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
+
+
+def _paths(rank: int, world: int, sets) -> dict:
+    s, replicas, k = _place(rank, sets)
+    r = len(replicas)
+    reference = _model()
+    want = [_model_step(reference, reference, _set_grids(i, s), s, k, r) for i in range(2)]
+    results = {}
+    for path in ("in_place", "fx", "compiled", "ahead"):
+        model = _model()
+        if path == "fx":
+            run = apply_vit_balance_pass(
+                symbolic_trace(model), config=CONFIG, replica_group=replicas
+            )
+        else:
+            fx_vitbal.enable_vit_balance(model, config=CONFIG, replica_group=replicas)
+            run = model
+        if path == "compiled":  # fullgraph, one graph for every image count where torch can
+            run = torch.compile(
+                model, backend="vitbal", fullgraph=True, options={"inner": "aot_eager"}
+            )
+        got, forward_collectives = [], []
+        for i in range(2):
+            grids = _set_grids(i, s)
+            if path == "ahead":
+                _, pixels, grid = make_inputs(grids, in_dim=24, seed=s, dtype=torch.float64)
+                planned = fx_vitbal.plan_ahead(
+                    model,
+                    pixels,
+                    grid,
+                    group=dist.group.WORLD,
+                    config=CONFIG,
+                    replica_group=replicas,
+                )
+                fx_vitbal.use_plan(model, planned)
+            unbacked = path == "compiled" and UNBACKED_BATCH_SIZES
+            with record_collectives() as issued, fullgraph_capture(path == "compiled"):
+                got.append(_model_step(run, model, grids, s, k, r, unbacked))
+            forward_collectives.append([n for p, n, _, _ in issued if p == "forward"])
+        results[path] = {"got": got, "forward": forward_collectives}
+    return {"want": want, "paths": results}
+
+
+@pytest.mark.parametrize("name", ["2x2", "3x2 with a text-only set"])
+def test_in_place_fx_compiled_and_planned_ahead_match_the_replicated_run(name):
+    sets = WORLDS[name]
+    results = run_ranks(_paths, sum(map(len, sets)), sets)
+    for rank, res in enumerate(results):
+        for path, outcome in res["paths"].items():
+            for (logits, grads), (want_logits, want_grads) in zip(
+                outcome["got"], res["want"], strict=True
+            ):
+                msg = f"{path} rank {rank}"
+                torch.testing.assert_close(logits, want_logits, rtol=1e-9, atol=1e-9, msg=msg)
+                torch.testing.assert_close(grads, want_grads, rtol=1e-9, atol=1e-9, msg=msg)
+        # Planned in the step: the metadata gather, then the two exchanges (a new ViT's first
+        # call also agrees its output layouts in a gather); planned ahead: no gather at all.
+        first, steady = res["paths"]["in_place"]["forward"]
+        assert first == ["all_gather", "all_to_all", "all_gather", "all_to_all"], first
+        assert steady == ["all_gather", "all_to_all", "all_to_all"], steady
+        assert res["paths"]["ahead"]["forward"][1] == ["all_to_all", "all_to_all"]
+
+
+BAD_SETS = {
+    "grids differ": ([[0, 1], [0, 1], [2, 3], [2, 3]], "image_grid_thw of rank(s) [1]"),
+    "pixels differ": ([[0, 1], [0, 1], [2, 3], [2, 3]], "pixel_values of rank(s) [3] differ"),
+    "overlap": ([[0, 1], [1, 2], [1, 2], [3, 0]], "do not partition the group"),
+    "sizes differ": ([[0, 1], [0, 1], [2], [3]], "must all have the same size"),
+    "some pass None": ([[0, 1], [0, 1], None, None], "must all have the same size"),
+    "not its own set": ([[1, 2], [1, 2], [1, 2], [3]], "rank 0: its replica_group does not hold"),
+    "outside the group": ([[0, 5], [1, 2], [1, 2], [3]], "rank 0: its replica_group does not hold"),
+}
+
+
+def _bad_then_good(rank: int, world: int, case: str) -> dict:
+    declared, _ = BAD_SETS[case]
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig()).double()
+    s = rank // 2
+    grids = [[1, 4, 4], [1, 8, 4]] if not (case == "grids differ" and rank == 1) else [[1, 4, 4]]
+    seed = s + (case == "pixels differ" and rank == 3)
+    _, pixels, grid = make_inputs(grids, in_dim=24, seed=seed, dtype=torch.float64)
+    error = None
+    try:
+        fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, replica_group=declared[rank])
+    except ValueError as e:
+        error = str(e)
+    # The ranks are still in lockstep: a good step follows, with the sets as process groups.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    _, pixels, grid = make_inputs([[1, 4, 4], [1, 8, 4]], in_dim=24, seed=s, dtype=torch.float64)
+    embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, replica_group=groups[s])
+    want, _, _ = vit(pixels, grid)
+    return {"error": error, "good": torch.allclose(embeds, want, rtol=1e-9, atol=1e-9)}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETS))
+def test_replicas_that_disagree_or_sets_that_do_not_partition_raise_on_every_rank(case):
+    results = run_ranks(_bad_then_good, 4, case)
+    errors = {res["error"] for res in results}
+    assert len(errors) == 1 and None not in errors, errors  # the same ValueError everywhere
+    assert BAD_SETS[case][1] in errors.pop()
+    assert all(res["good"] for res in results)
+
+
+def _sliced(forward, k: int, r: int):
+    """``forward``'s output, of which replica ``k`` of ``r`` keeps its slice of rows."""
+
+    def sliced():
+        out = forward()
+        rows = out.shape[-2]
+        keep = torch.zeros(rows, 1, dtype=out.dtype)
+        keep[k * rows // r : (k + 1) * rows // r] = 1.0
+        return out * keep
+
+    return sliced
+
+
+def _vit_entries(rank: int, world: int, sets) -> dict:
+    s, replicas, k = _place(rank, sets)
+    _, pixels, grid = make_inputs(_set_grids(0, s), in_dim=24, seed=s, dtype=torch.float64)
+    reference, model = _model().visual, _model().visual
+
+    def balanced():
+        call = fx_vitbal.dp_balance_vit_encoder
+        embeds, _, deep = call(model, pixels, grid, config=CONFIG, replica_group=replicas)
+        return torch.cat([embeds.unflatten(0, (-1, 4)).flatten(1), deep[0]], 1)
+
+    want = _sliced(_vit_forward(reference, False, pixels, grid), k, len(replicas))
+    got = _sliced(balanced, k, len(replicas))
+    return _entries(want, dict(reference.named_parameters()), got, dict(model.named_parameters()))
+
+
+def _hf_entries(rank: int, world: int, sets) -> dict:
+    from test_hf import _pixel_width, build_parent, make_batch
+
+    s, replicas, k = _place(rank, sets)
+    reference, model = build_parent("qwen2_vl").double(), build_parent("qwen2_vl").double()
+    fx_vitbal.enable_vit_balance(model, config=CONFIG, replica_group=replicas)
+    # test_hf's first step, one sample per set: set 0 has images and a video, set 1 an image.
+    batch = make_batch("qwen2_vl", s, 0, _pixel_width(model.get_encoder(modality="image")))
+    batch = {
+        key: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+        for key, v in batch.items()
+        if key not in ("labels", "output_hidden_states")
+    }
+
+    def forward(vlm):
+        return _sliced(lambda: vlm(**batch).logits, k, len(replicas))
+
+    params = dict(model.named_parameters())
+    return _entries(forward(reference), dict(reference.named_parameters()), forward(model), params)
+
+
+def test_every_autograd_entry_point_matches_the_replicated_run():
+    _check(run_ranks(_vit_entries, 4, WORLDS["2x2 interleaved"]))
+
+
+def test_a_hugging_face_vlm_with_replicas_matches_the_replicated_run():
+    pytest.importorskip("transformers")
+    _check(run_ranks(_hf_entries, 4, WORLDS["2x2"]))
