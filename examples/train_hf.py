@@ -8,6 +8,19 @@ text-only every other step, the rest hold thumbnails. Rank 0 prints the loss of 
     torchrun --standalone --nproc-per-node 4 examples/train_hf.py --use-vit-dp-balance
     torchrun --standalone --nproc-per-node 2 examples/train_hf.py --wrap fsdp2 --grad-accum 2 \\
         --use-vit-dp-balance --dp-balance-verbose
+    torchrun --standalone --nproc-per-node 4 examples/train_hf.py --sp 2 --use-vit-dp-balance
+
+``--sp N`` lays the ranks out as DP x SP (world = dp * N): the N contiguous ranks of an SP group
+(``rank // N``) hold the same batch, sampled by their DP index as "rank" above, and each keeps
+only its slice of the sequence for the loss (replica ``k`` of ``N``: labels ``[k*L/N,
+(k+1)*L/N)``, the rest -100), as under Ulysses / context parallelism, so the replicas' gradients
+differ. The SP group goes to ``enable_vit_balance`` as ``replica_group``: each image is computed
+once in the whole world and its outputs come back to every replica. The LM itself is *not*
+sequence-parallel here (no Ulysses all-to-all in attention: every replica runs the whole
+sequence); the example shows what fx_vitbal needs, the groups, the identical batches and the
+per-replica loss slice. Gradients are synchronised over the whole world, as without ``--sp``.
+Rank 0 also prints, at the end, the vision rows each rank's tower computed against the rows the
+SP groups' batches hold (without balancing, each replica computes its group's rows itself).
 
 gloo on CPU, NCCL on the GPU ``LOCAL_RANK`` when CUDA is available.
 """
@@ -96,6 +109,22 @@ def make_batch(grids: tuple[list, list], rank: int, step: int, micro: int, width
     return batch
 
 
+def keep_slice(labels: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """``labels`` with only replica ``k`` of ``n``'s slice of the sequence kept (the rest -100)."""
+    length = labels.shape[-1]
+    keep = torch.zeros(length, dtype=torch.bool)
+    keep[k * length // n : (k + 1) * length // n] = True
+    return labels.masked_fill(~keep, -100)
+
+
+def count_rows(tower: torch.nn.Module) -> list[int]:
+    """A list that gets the pixel rows of every call of ``tower`` on this rank (after balancing:
+    the rows this rank computes)."""
+    rows = []
+    tower.patch_embed.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
+    return rows
+
+
 def wrap(model: torch.nn.Module, how: str, device: torch.device, balanced: bool) -> torch.nn.Module:
     """DDP, or FSDP2 on every ViT block, every LM layer and the whole model."""
     if how == "ddp":
@@ -126,6 +155,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--sp", type=int, default=1, help="ranks per SP group (same batch)")
     args = fx_vitbal.add_vit_balance_args(parser).parse_args()
     if args.wrap == "fsdp2" and not args.use_vit_dp_balance:
         # Unbalanced, text-only ranks never call the tower, so they skip FSDP2's collectives for
@@ -142,20 +172,39 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if world % args.sp or not 1 <= args.sp <= 4:
+        # At most 4: each replica's slice of an 8-token text-only sample keeps a target (no NaN).
+        parser.error(f"--sp must divide the {world} ranks and be 1 to 4, got {args.sp}")
+    # DP x SP: SP groups are contiguous ranks; every rank creates every group, in the same order.
+    dp_rank, sp_rank = divmod(rank, args.sp)
+    sp_group = None  # each rank holds its own batch
+    if args.sp > 1:
+        sp_starts = range(0, world, args.sp)
+        sp_group = [dist.new_group(list(range(s, s + args.sp))) for s in sp_starts][dp_rank]
 
     model = build_model(device)
     vision = model.model.visual.config
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    computed_rows, held_rows = count_rows(model.model.visual), 0
     model = wrap(model, args.wrap, device, args.use_vit_dp_balance)
-    # After wrapping: the tower is found through DDP, and FSDP2 keeps the module tree.
-    fx_vitbal.enable_vit_balance(model, config=fx_vitbal.BalanceConfig.from_args(args))
+    # After wrapping: the tower is found through DDP, and FSDP2 keeps the module tree. The group
+    # is the whole world (DP x SP); the SP group holds this rank's batch.
+    fx_vitbal.enable_vit_balance(
+        model,
+        config=fx_vitbal.BalanceConfig.from_args(args),
+        group=dist.group.WORLD,
+        replica_group=sp_group,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     for step in range(args.steps):
         total = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
-            grids = sample_grids(rank, step, micro)
-            batch = make_batch(grids, rank, step, micro, width)
+            grids = sample_grids(dp_rank, step, micro)
+            batch = make_batch(grids, dp_rank, step, micro, width)
+            held_rows += sum(t * h * w for t, h, w in grids[0] + grids[1])
+            if args.sp > 1:
+                batch["labels"] = keep_slice(batch["labels"], sp_rank, args.sp)
             batch = {k: v.to(device) for k, v in batch.items()}
             with sync_gradients(model, args.wrap, last=micro == args.grad_accum - 1):
                 loss = model(**batch).loss / args.grad_accum
@@ -166,6 +215,18 @@ def main() -> None:
         dist.all_reduce(total)  # gloo has no AVG
         if rank == 0:
             print(f"step {step} loss {total.item() / world:.6f}", flush=True)
+    if args.sp > 1:
+        rows = torch.tensor([sum(computed_rows), held_rows], device=device)
+        every = [torch.empty_like(rows) for _ in range(world)]
+        dist.all_gather(every, rows)
+        computed = [int(r[0]) for r in every]
+        held = [int(r[1]) for r in every[:: args.sp]]  # one replica per SP group
+        if rank == 0:
+            print(
+                f"vision rows computed per rank {computed} = {sum(computed)}; "
+                f"the SP groups' batches hold {held} = {sum(held)}",
+                flush=True,
+            )
     dist.barrier()  # no rank tears its connections down while another still uses them
     # Drop the wrapped model before the process group. gloo's group is only torn down when its
     # last reference goes, and its destructor joins gloo's worker threads. A worker that has just
@@ -178,7 +239,7 @@ def main() -> None:
     # worker threads outlive main; one that takes the GIL while Python finalizes is killed inside
     # a destructor ("terminate called without an active exception"). Hence the exit below,
     # which skips finalization once every output is flushed.
-    del model, optimizer
+    del model, optimizer, sp_group
     dist.destroy_process_group()
 
 

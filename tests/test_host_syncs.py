@@ -27,36 +27,47 @@ MANY = [[1, 2, 2]] * (INLINE_GRID_ROWS + 2)
 PIXEL_GRADS_STEP, MANY_ROWS_STEP = 2, 3
 
 
-def _grids(rank: int, step: int) -> list[list[int]]:
+# With replica sets: 2 sets x 2 ranks, set 0 holding rank 0's batch, set 1 none but in the
+# last step, when it holds more grid rows than the header carries inline.
+SETS = [[0, 1], [2, 3]]
+
+
+def _grids(rank: int, step: int, replicas=None) -> list[list[int]]:
+    if replicas is not None:  # a set's batch
+        return MANY if (replicas, step) == (SETS[1], MANY_ROWS_STEP) else GRIDS[2 * (rank // 2)]
     return MANY if (rank, step) == (1, MANY_ROWS_STEP) else GRIDS[rank]
 
 
-def _model(path: str) -> OmniEncoderModel:
+def _model(path: str, replicas=None) -> OmniEncoderModel:
     torch.manual_seed(0)
     model = OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
     if path == "fx":
-        return apply_vit_balance_pass(symbolic_trace(model))
+        return apply_vit_balance_pass(symbolic_trace(model), replica_group=replicas)
     if path == "compiled":  # one graph for every step (its layouts agreed while compiling)
-        model = fx_vitbal.enable_vit_balance(model)
+        model = fx_vitbal.enable_vit_balance(model, replica_group=replicas)
         return torch.compile(model, backend="vitbal", options=ONE_GRAPH, fullgraph=True)
     if path != "eager":
-        return fx_vitbal.enable_vit_balance(model)
+        return fx_vitbal.enable_vit_balance(model, replica_group=replicas)
     return model
 
 
 ONE_GRAPH = {"inner": "aot_eager"}
 
 
-def _batch(model, path: str, rank: int, step: int, group):
+def _batch(model, path: str, rank: int, step: int, group, replicas=None):
     """The step's inputs, its plan handed over first when planned ahead."""
-    input_ids, pixels, grid = make_inputs(_grids(rank, step), in_dim=24, seed=rank)
+    seed = rank if replicas is None else replicas[0]  # a set's ranks hold the same pixels
+    input_ids, pixels, grid = make_inputs(_grids(rank, step, replicas), in_dim=24, seed=seed)
     pixels.requires_grad_(step == PIXEL_GRADS_STEP)  # its gradients go home too
     if path == "ahead":  # planned from the host's copy of the batch, before the step
-        fx_vitbal.use_plan(model, fx_vitbal.plan_ahead(model.visual, pixels, grid, group=group))
+        planned = fx_vitbal.plan_ahead(
+            model.visual, pixels, grid, group=group, replica_group=replicas
+        )
+        fx_vitbal.use_plan(model, planned)
     return input_ids, pixels, grid
 
 
-def _step(model, path: str, batch, simulation=None) -> None:
+def _step(model, path: str, batch, simulation=None, replicas=None) -> None:
     input_ids, pixels, grid = batch
     if simulation is not None:
         pixels, grid = simulation.on_accelerator(pixels), simulation.on_accelerator(grid)
@@ -65,26 +76,27 @@ def _step(model, path: str, batch, simulation=None) -> None:
         torch._dynamo.decorators.mark_unbacked(grid, 0)
         torch._dynamo.mark_dynamic(input_ids, 0)
     if path == "eager":  # the bare ViT through the functional wrapper
-        embeds, _, deep = fx_vitbal.dp_balance_vit_encoder(model.visual, pixels, grid)
+        call = fx_vitbal.dp_balance_vit_encoder
+        embeds, _, deep = call(model.visual, pixels, grid, replica_group=replicas)
         (embeds.pow(2).sum() + deep[0].sum()).backward()
     else:
         with fullgraph_capture(path == "compiled"):
             model(input_ids, pixels, grid).pow(2).mean().backward()
 
 
-def _steps(rank: int, world: int, path: str) -> list[dict]:
+def _steps(rank: int, world: int, path: str, replicas=None) -> list[dict]:
     """Four training steps of ``path`` on the simulated accelerator; what each one cost."""
-    model = _model(path)
+    model = _model(path, replicas)
     group = dist.new_group(backend="gloo") if path == "ahead" else None
     if path == "compiled":  # compiled first: dynamo does not compile under a dispatch mode
         for step in range(4):
-            _step(model, path, _batch(model, path, rank, step, group))
+            _step(model, path, _batch(model, path, rank, step, group, replicas), None, replicas)
     graphs = dict(torch._dynamo.utils.counters["stats"])
     per_step = []
     for step in range(4):
-        batch = _batch(model, path, rank, step, group)
+        batch = _batch(model, path, rank, step, group, replicas)
         with simulated_accelerator(compiled=path == "compiled") as simulation:
-            _step(model, path, batch, simulation)
+            _step(model, path, batch, simulation, replicas)
         per_step.append(simulation.record)
     assert dict(torch._dynamo.utils.counters["stats"]) == graphs, "recompiled while counting"
     return per_step
@@ -93,20 +105,25 @@ def _steps(rank: int, world: int, path: str) -> list[dict]:
 PATHS = ["eager", "in_place", "fx", "ahead"] + (["compiled"] if UNBACKED_BATCH_SIZES else [])
 
 
-def _every_path(rank: int, world: int) -> dict[str, list[dict]]:
-    return {path: _steps(rank, world, path) for path in PATHS}
+def _every_path(rank: int, world: int, sets) -> dict[str, list[dict]]:
+    replicas = None if sets is None else next(s for s in sets if rank in s)
+    return {path: _steps(rank, world, path, replicas) for path in PATHS}
 
 
-@pytest.fixture(scope="module")
-def counted() -> list[dict[str, list[dict]]]:
-    """Every path's steps, per rank: one group of processes for them all."""
-    return run_ranks(_every_path, len(GRIDS), timeout=600)
+@pytest.fixture(scope="module", params=["own sets", "replica sets"])
+def counted(request) -> list[dict[str, list[dict]]]:
+    """Every path's steps, per rank: one group of processes for them all; each rank its own set
+    (3 ranks), or 2 replica sets of 2 ranks (``replica_group``)."""
+    if request.param == "own sets":
+        return run_ranks(_every_path, len(GRIDS), None, timeout=600)
+    return run_ranks(_every_path, 4, SETS, timeout=600)
 
 
 @pytest.mark.parametrize(
     "path", [*PATHS[:4], pytest.param("compiled", marks=needs_unbacked_batch_sizes)]
 )
 def test_a_step_syncs_the_host_once_waits_once_and_issues_three_plus_two_collectives(path, counted):
+    """The same with replica sets: the checksum of their pixels joins the one read."""
     for rank, by_path in enumerate(counted):
         for step, record in enumerate(by_path[path]):
             context = f"{path} rank {rank} step {step}: {record}"

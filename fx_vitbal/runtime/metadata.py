@@ -102,8 +102,10 @@ def gather_grids(
     hold different grids or pixels, make every rank raise).
 
     Where the metadata lives on a device (a group without a CPU backend), a grid on that device
-    is checked there, so the gathered header is the only value read back: one host sync. (With
-    replica sets, pixels on a device and the header on the host, their checksum is one more.)
+    is checked there, so the gathered header is the only value read back: one host sync. With
+    replica sets the pixels' checksum joins the header there, or the grid's read when the
+    header is gathered on the host; pixels on a device with a host grid and a CPU-backend group
+    are the one case where it is a read of its own.
 
     Raises:
         ValueError: on every rank, naming each bad rank and its problem.
@@ -114,9 +116,12 @@ def gather_grids(
     on_device = (
         not status and not transfer.on_host(grid_thw) and not collectives.gathers_on_host(group)
     )
-    rows = []
+    replicated = len(replica_ranks) > 1 and not status
+    checksum = replicas.pixel_checksum(pixel_values) if replicated else None
+    rows, sums = [], [0] * replicas.CHECKSUM_FIELDS
     if not status and not on_device:  # a CUDA grid with a gloo group: its one read
-        status, arg0, arg1, rows = _check_grid(pixel_values, grid_thw.tolist(), merge_size)
+        grid_rows, sums = _read_grid(grid_thw, checksum)
+        status, arg0, arg1, rows = _check_grid(pixel_values, grid_rows, merge_size)
     if problem:
         status, arg0, arg1, rows = problem, 0, 0, []
     fields = [
@@ -128,19 +133,18 @@ def gather_grids(
         int(grad_fixed),
         int(new_layout),
         *replicas.declare(replica_ranks, dist.get_rank(group)),
-        *[0] * replicas.CHECKSUM_FIELDS,
+        *sums,
         *report,
         *[0] * (REPORT_FIELDS - len(report)),
     ]
     if on_device and not problem:
         local = _device_header(pixel_values, grid_thw, merge_size, fields)
+        if checksum is not None:  # computed where the header lives: no read
+            local[_CHECKSUM:_REPORT] = transfer.to_device(checksum, local.device)
     else:
         inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
         values = [status, arg0, arg1, *fields, *sum(inline, [])]
         local = transfer.to_device(torch.tensor(values, dtype=torch.int64, device="cpu"), device)
-    if len(replica_ranks) > 1:  # where the header lives: a read only if the pixels are elsewhere
-        checksum = replicas.pixel_checksum(pixel_values)
-        local[_CHECKSUM:_REPORT] = checksum.to(local.device, non_blocking=local.is_cuda)
     gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
     collectives.all_gather(gathered, local, group)
     values = gathered.view(world, local.numel()).tolist()  # the step's one host read
@@ -220,6 +224,18 @@ def _static_status(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[
     if grid_thw.dtype.is_floating_point or grid_thw.dtype == torch.bool:
         return 4, 0, 0
     return 0, 0, 0
+
+
+def _read_grid(grid_thw: torch.Tensor, checksum: torch.Tensor | None) -> tuple[list, list[int]]:
+    """The grid's rows and the pixels' checksum (zeros without one) as host values, in one read
+    when they live on one device."""
+    if checksum is None:
+        return grid_thw.tolist(), [0] * replicas.CHECKSUM_FIELDS
+    if checksum.device != grid_thw.device:  # the checksum alone is read (free on the host)
+        return grid_thw.tolist(), checksum.tolist()
+    values = torch.cat([grid_thw.to(torch.int64).flatten(), checksum]).tolist()
+    flat, sums = values[: -replicas.CHECKSUM_FIELDS], values[-replicas.CHECKSUM_FIELDS :]
+    return [flat[i : i + 3] for i in range(0, len(flat), 3)], sums
 
 
 def _check_grid(pixel_values, rows, merge_size):

@@ -10,10 +10,11 @@ This samples one batch per set (``tools.workloads``), costs its units as ``tools
   remainder (Megatron-Core's ``split_to_context_parallel_ranks_dynamic_res``, Bridge's
   ``vision_dp_over_cp``).
 - ``LPT in set``: a set's units by cost over its own replicas only.
-- ``one plan``: the reduction the runtime is meant to use: each unit gets a holder replica in its
-  set (``LPT in set``), then ``solve_plan`` balances all ``N = dp * r`` ranks from those holdings.
+- ``one plan``: the runtime's (``replica_group``): each unit gets a holder replica in its set
+  (``LPT in set``), then ``solve_plan`` balances all ``N = dp * r`` ranks from those holdings
+  (``plan.replicas.solve_for_sets``).
 
-It is a simulation of the planned reduction, not the runtime. Set ``s`` is ranks ``s*r`` to
+It simulates the plans, not the exchange. Set ``s`` is ranks ``s*r`` to
 ``s*r + r - 1``; every replica holds the set's pixels, so a unit computed anywhere in its set moves
 no pixel, and only rows leaving their set count as moved. A moved row crosses nodes when no
 replica of its set is on the computing rank's node (the sender can be any replica).
@@ -27,7 +28,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.plan.solve import solve_plan
+from fx_vitbal.plan.replicas import holders, solve_for_sets
 from fx_vitbal.runtime.routing import split_units
 from fx_vitbal.tools.simulate import QWEN2_VL_7B
 from fx_vitbal.tools.workloads import MIXES, sample_batches
@@ -146,22 +147,18 @@ def count_split(step: Step) -> list[list[UnitId]]:
 
 
 def lpt_in_set(step: Step) -> list[list[UnitId]]:
-    """Each set's units by cost, largest first, each to its least loaded replica (ties: the
-    lower unit, then the lower replica), so every rank computes the same split."""
+    """Each set's units by cost over its own replicas only (``plan.replicas.holders``: largest
+    first, each to the least loaded replica), so every rank computes the same split."""
     computed = []
     for s, set_costs in enumerate(step.costs):
-        loads = [0.0] * step.replicas
-        held: list[list[UnitId]] = [[] for _ in range(step.replicas)]
-        for i in sorted(range(len(set_costs)), key=lambda i: -set_costs[i]):
-            j = min(range(step.replicas), key=loads.__getitem__)
-            loads[j] += set_costs[i]
-            held[j].append((s, i))
-        computed += [sorted(units) for units in held]
+        held = holders(set_costs, step.replicas)
+        computed += [[(s, i) for i, j in enumerate(held) if j == k] for k in range(step.replicas)]
     return computed
 
 
 def one_plan(step: Step, config: BalanceConfig | None = None) -> list[list[UnitId]]:
-    """``solve_plan`` over all ranks, each holding the units ``lpt_in_set`` gives it.
+    """The runtime's plan (``plan.replicas.solve_for_sets``): ``solve_plan`` over all ranks,
+    each holding the units ``lpt_in_set`` gives it.
 
     The planner counts a move to another replica of the same set as a move; it is not one (that
     replica has the pixels too), which ``evaluate`` accounts for, not the plan.
@@ -174,11 +171,10 @@ def one_plan(step: Step, config: BalanceConfig | None = None) -> list[list[UnitI
         config = BalanceConfig(
             trigger_threshold=0.0, min_gain=0.0, ranks_per_node=step.ranks_per_node
         )
-    held = lpt_in_set(step)
-    costs = [[step.costs[s][i] for s, i in units] for units in held]
-    rows = [[step.rows[s][i] for s, i in units] for units in held]
-    plan = solve_plan(costs, rows, config=config)
-    return [[held[src][idx] for src, idx in assigned] for assigned in plan.assignment]
+    r = step.replicas
+    sets = [list(range(s * r, (s + 1) * r)) for s in range(step.num_sets)]
+    plan, held = solve_for_sets(step.costs, step.rows, sets, config=config)
+    return [[(src // r, held[src][idx]) for src, idx in assigned] for assigned in plan.assignment]
 
 
 STRATEGIES: dict[str, Callable[[Step], list[list[UnitId]]]] = {
