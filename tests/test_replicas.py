@@ -62,13 +62,13 @@ def _model() -> OmniEncoderModel:
     return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1)).double()
 
 
-def _vit_step(vit, balanced, pixels, grid, k, r, replicas):
+def _vit_step(vit, balanced, pixels, grid, k, r, replicas, config=CONFIG):
     """One ViT step on a set's batch: outputs, the group's parameter gradients and this rank's
     pixel gradient (``torch.autograd.grad``)."""
     pixels = pixels.clone().requires_grad_(True)
     if balanced:
         call = fx_vitbal.dp_balance_vit_encoder
-        embeds, _, deep = call(vit, pixels, grid, config=CONFIG, replica_group=replicas)
+        embeds, _, deep = call(vit, pixels, grid, config=config, replica_group=replicas)
     else:
         embeds, _, deep = vit(pixels, grid)
     loss = (embeds * _slice_weight(embeds.shape[0], k, r, embeds.dtype)).sum()
@@ -88,18 +88,19 @@ def _computed_rows(vit) -> list[int]:
     return rows
 
 
-def _eager(rank: int, world: int, sets) -> dict:
+def _eager(rank: int, world: int, sets, config=CONFIG, steps=2) -> dict:
     s, replicas, k = _place(rank, sets)
     torch.manual_seed(0)
     vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
     computed = _computed_rows(vit)
     results = []
-    for step in range(len(SET_STEPS)):
-        _, pixels, grid = make_inputs(_set_grids(step, s), in_dim=24, seed=s, dtype=torch.float64)
+    for step in range(steps):
+        grids = _set_grids(step % len(SET_STEPS), s)
+        _, pixels, grid = make_inputs(grids, in_dim=24, seed=s, dtype=torch.float64)
         want = _vit_step(vit, False, pixels, grid, k, len(replicas), replicas)
         del computed[:]
         with record_moves() as moves, record_collectives() as issued:
-            got = _vit_step(vit, True, pixels, grid, k, len(replicas), replicas)
+            got = _vit_step(vit, True, pixels, grid, k, len(replicas), replicas, config)
         # Pixel gradients: one replica per unit gets it; summed over the set, the replicated
         # run's (each replica's own gradient, summed).
         pixel_grads = [None] * world
@@ -121,10 +122,29 @@ def _eager(rank: int, world: int, sets) -> dict:
 
 @pytest.mark.parametrize("name", list(WORLDS))
 def test_each_unit_is_computed_once_and_every_replica_gets_the_replicated_outputs(name):
-    sets = WORLDS[name]
+    _check_eager(WORLDS[name], run_ranks(_eager, sum(map(len, WORLDS[name])), WORLDS[name]))
+
+
+# Every planner setting over replica sets stays exact: min-move (above), LPT, node-aware
+# planning, an explicit row cap, online costs (fitted from measured times over several steps).
+QUALITIES = {
+    "lpt": fx_vitbal.BalanceConfig(strategy="lpt"),
+    "node-aware": fx_vitbal.BalanceConfig(ranks_per_node=2, trigger_threshold=0.0, min_gain=0.0),
+    "row cap": fx_vitbal.BalanceConfig(max_len_ratio=1.0, trigger_threshold=0.0, min_gain=0.0),
+    "online": fx_vitbal.BalanceConfig(cost_model="online", trigger_threshold=0.0, min_gain=0.0),
+}
+
+
+@pytest.mark.parametrize("quality", list(QUALITIES))
+def test_every_planner_setting_stays_exact_with_replica_sets(quality):
+    sets = WORLDS["2x2 interleaved"]
+    steps = 6 if quality == "online" else 2
+    _check_eager(sets, run_ranks(_eager, 4, sets, QUALITIES[quality], steps))
+
+
+def _check_eager(sets, results) -> None:
     world = sum(map(len, sets))
-    results = run_ranks(_eager, world, sets)
-    for step in range(len(SET_STEPS)):
+    for step in range(len(results[0])):
         per_rank = [res[step] for res in results]
         for rank, res in enumerate(per_rank):
             for got, want in zip(res["got"], res["want"], strict=True):
