@@ -31,15 +31,20 @@ two sets' batches, with two more photos in set 0 (~9x set 1's work; goal: at lea
 ideal). As is, ``SKEWED``'s 20x14 image alone is ~1.19x a quarter of the group's work, so no plan
 could reach the ideal; with the two photos the largest image is ~0.91x of it.
 
-Each number is the slowest rank's median over ``--repeats`` runs after warm-up (a step ends for
-the group when its slowest rank does); modes are interleaved run by run, each run after a
-barrier (``e2e.timed``), so load from other jobs hits them alike. CPU time (whole process, gloo
-threads included) is each rank's own work: what the step would take with a core per rank. Wall
-clock is what it takes here, where 4 ranks share 2 cores: while all 4 compute, each gets about
-half a core. In the skewed batch's replicated run the light set's ranks finish early and give
-their cores to the heavy set, so the wall clock understates what computing each image once saves
-with a core per rank (CPU: ~3.6x ideal; wall: ~2x); the goals are read on the CPU clock. One
-thread per rank.
+Before timing, every rank checks what is measured: one plan's outputs are the replicated ones,
+and the group computes each set's pixel rows once (replicated: once per replica).
+
+Each number is the slowest rank's median over ``--repeats`` runs after warm-up; modes are
+interleaved run by run, each run after a barrier (``e2e.timed``), so load from other jobs hits
+them alike. Every mode's step also ends at a barrier: for the group a step ends when its slowest
+rank's does (at the gradients' all-reduce that follows), which one plan's collectives impose
+anyway. CPU time (whole process, gloo threads included; a barrier's wait costs ~0.5 ms of it) is
+each rank's own work: what the step would take with a core per rank. Wall clock is what the step
+takes here, where 4 ranks share 2 cores, so while all 4 compute each gets at most half a core.
+In the skewed batch's replicated run the light set's ranks finish early and leave their cores to
+the heavy set, so there the wall clock shows about half of what computing each image once saves
+with a core per rank (ideal speed-up: CPU ~3.4x, wall ~2x). The goals' verdicts are read on the
+CPU clock; the wall clock is printed beside them. fp32, one thread per rank.
 
     python benchmarks/replicas_e2e.py [--repeats 7] [--small]
 """
@@ -95,13 +100,16 @@ def half_loss(embeds: torch.Tensor, k: int, r: int) -> torch.Tensor:
 
 def vit_step(vit, pixels, grid, k: int, r: int, replicas=None) -> torch.Tensor:
     """Forward+backward of one step: the plain ViT (``replicas=None``) or balanced over the
-    group with this replica set; returns the outputs."""
+    group with this replica set; returns the outputs. The step ends at a barrier: for the group
+    it ends when its slowest rank's does (as at the gradients' all-reduce that follows), in
+    every mode alike."""
     vit.zero_grad(set_to_none=True)
     if replicas is None:
         embeds = vit(pixels, grid)[0]
     else:
         embeds = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, replica_group=replicas)[0]
     half_loss(embeds, k, r).backward()
+    dist.barrier()
     return embeds.detach()
 
 
@@ -135,8 +143,7 @@ def measure(rank: int, vit, cfg: ViTConfig, set_grids, repeats: int, warmup: int
         "alone": lambda: vit_step(vit, mine, my_grid, 0, 1),
         **{f"once {j}": (lambda p=p, g=g: vit_step(vit, p, g, k, r)) for j, (p, g) in once.items()},
     }
-    timed(fns, warmup)  # allocator, kernels, first calls (a ViT's first balanced call agrees
-    # its output layouts once)
+    timed(fns, warmup)  # allocator, kernels, first calls
     return {
         **timed(fns, repeats),
         "rows": {
@@ -263,7 +270,12 @@ def print_batch(name: str, set_grids, per_rank: list[dict], loads: list[float]) 
 def print_ranks(gathered: list[dict]) -> None:
     rows = []
     for name in BATCHES:
-        for mode in ("replicated", "plan", "alone", *(f"once {j}" for j in range(len(SETS)))):
+        for mode in (
+            "replicated",
+            "plan",
+            "alone",
+            *(f"once {j}" for j in range(len(SETS))),
+        ):
             cells = [
                 f"{1e3 * res[name][mode][0]:.0f} / {1e3 * res[name][mode][1]:.0f}"
                 for res in gathered

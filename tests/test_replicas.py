@@ -19,8 +19,10 @@ from dist_utils import (
     run_ranks,
 )
 from test_autograd import _check, _entries, _vit_forward
+from test_backend import _RegionModel
 
 import fx_vitbal
+from fx_vitbal import _compat
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
@@ -66,15 +68,23 @@ def _vit_step(vit, balanced, pixels, grid, k, r, replicas, config=CONFIG):
     """One ViT step on a set's batch: outputs, the group's parameter gradients and this rank's
     pixel gradient (``torch.autograd.grad``)."""
     pixels = pixels.clone().requires_grad_(True)
+    # A set without images passes None, as a text-only rank may.
+    none = balanced and not pixels.shape[0]
     if balanced:
         call = fx_vitbal.dp_balance_vit_encoder
-        embeds, _, deep = call(vit, pixels, grid, config=config, replica_group=replicas)
+        given = None if none else pixels
+        embeds, _, deep = call(vit, given, grid, config=config, replica_group=replicas)
     else:
         embeds, _, deep = vit(pixels, grid)
     loss = (embeds * _slice_weight(embeds.shape[0], k, r, embeds.dtype)).sum()
     loss = loss + (deep[0] * _slice_weight(deep[0].shape[0], k, r, embeds.dtype)).sum()
     params = list(vit.parameters())
-    grads = torch.autograd.grad(loss, [*params, pixels], allow_unused=True)
+    if none:  # .backward(): it reaches the stand-in pixels whose gradients the others want
+        loss.backward()
+        grads = (*[p.grad for p in params], torch.zeros_like(pixels))
+        vit.zero_grad(set_to_none=True)
+    else:
+        grads = torch.autograd.grad(loss, [*params, pixels], allow_unused=True)
     flat = torch.cat([g.flatten() if g is not None else p.new_zeros(p.numel())
                       for g, p in zip(grads[:-1], params, strict=True)])  # fmt: skip
     dist.all_reduce(flat)
@@ -183,9 +193,16 @@ def _paths(rank: int, world: int, sets) -> dict:
     reference = _model()
     want = [_model_step(reference, reference, _set_grids(i, s), s, k, r) for i in range(2)]
     results = {}
-    for path in ("in_place", "fx", "compiled", "ahead"):
+    for path in ("in_place", "fx", "compiled", "region", "ahead"):
         model = _model()
-        if path == "fx":
+        if path == "region":  # a ViT region the backend rewrites, the sets in its options
+            torch.manual_seed(0)
+            model = _RegionModel(ViTConfig(deepstack_indexes=(0,)), LMConfig(num_layers=1))
+            model = model.double()
+            _compat.keep_nested_compile_regions()
+            options = {"inner": "aot_eager", "vit": model.visual, "replica_group": replicas}
+            run = torch.compile(model, backend="vitbal", fullgraph=True, options=options)
+        elif path == "fx":
             run = apply_vit_balance_pass(
                 symbolic_trace(model), config=CONFIG, replica_group=replicas
             )
@@ -210,8 +227,9 @@ def _paths(rank: int, world: int, sets) -> dict:
                     replica_group=replicas,
                 )
                 fx_vitbal.use_plan(model, planned)
-            unbacked = path == "compiled" and UNBACKED_BATCH_SIZES
-            with record_collectives() as issued, fullgraph_capture(path == "compiled"):
+            compiled = path in ("compiled", "region")
+            unbacked = compiled and UNBACKED_BATCH_SIZES
+            with record_collectives() as issued, fullgraph_capture(compiled):
                 got.append(_model_step(run, model, grids, s, k, r, unbacked))
             forward_collectives.append([n for p, n, _, _ in issued if p == "forward"])
         results[path] = {"got": got, "forward": forward_collectives}
@@ -335,3 +353,38 @@ def test_every_autograd_entry_point_matches_the_replicated_run():
 def test_a_hugging_face_vlm_with_replicas_matches_the_replicated_run():
     pytest.importorskip("transformers")
     _check(run_ranks(_hf_entries, 4, WORLDS["2x2"]))
+
+
+def _planned_with_other_sets(rank: int, world: int) -> dict:
+    s, replicas, k = _place(rank, WORLDS["2x2"])
+    model = fx_vitbal.enable_vit_balance(_model(), config=CONFIG)  # the step names no sets
+    grids = _set_grids(0, s)
+    _, pixels, grid = make_inputs(grids, in_dim=24, seed=s, dtype=torch.float64)
+    planned = fx_vitbal.plan_ahead(
+        model, pixels, grid, group=dist.group.WORLD, config=CONFIG, replica_group=replicas
+    )
+    fx_vitbal.use_plan(model, planned)
+    error = None
+    try:
+        _model_step(model, model, grids, s, k, len(replicas))
+    except ValueError as e:
+        error = str(e)
+    model.zero_grad(set_to_none=True)
+    # Still in lockstep: the next step plans in the step.
+    reference = _model()
+    want = _model_step(reference, reference, grids, s, k, len(replicas))
+    return {
+        "error": error,
+        "next": _model_step(model, model, grids, s, k, len(replicas)),
+        "want": want,
+    }
+
+
+def test_a_plan_made_ahead_for_other_replica_sets_raises_on_every_rank():
+    results = run_ranks(_planned_with_other_sets, 4)
+    errors = {res["error"] for res in results}
+    assert len(errors) == 1 and None not in errors, errors
+    assert "not the batch planned ahead" in errors.pop()
+    for res in results:
+        for got, want in zip(res["next"], res["want"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)

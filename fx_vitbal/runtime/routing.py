@@ -181,7 +181,8 @@ def local_outputs(
 
 def routing_size(max_units: int, world_size: int, replicated: bool = False) -> int:
     """Length of a packed routing tensor (``replicated``: with replica sets)."""
-    return ROUTING_HEADER + (2 + replicated) * (world_size + max_units) + replicated
+    extra = int(replicated)  # an int: sympy cannot add a bool to a symbolic size
+    return ROUTING_HEADER + (2 + extra) * (world_size + max_units) + extra
 
 
 def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
