@@ -25,8 +25,9 @@ def test_replicas_e2e_small_prints_every_table():
     assert result.returncode == 0, out + result.stderr
     for batch in ("(a) balanced across sets", "(b) skewed across sets"):
         assert f"### {batch} " in out, out
-    # Pixel rows computed over the rows the sets hold: 2 replicated, 1 under one plan, per batch.
+    # Pixel rows computed over the rows the sets hold: 2 replicated, 1 under one plan (made in
+    # the step, then ahead), per batch.
     computed = re.findall(r"^\| (replicated|one plan)[^|]*\|(?:[^|]*\|){4} ([\d.]+) \|$", out, re.M)
-    assert computed == [("replicated", "2.00"), ("one plan", "1.00")] * 2, out
+    assert computed == [("replicated", "2.00"), ("one plan", "1.00"), ("one plan", "1.00")] * 2
     assert out.count("Goal, one plan at least") == 2, out
     assert "### Per rank: median wall / CPU ms" in out, out
