@@ -22,7 +22,7 @@ def _run_snippets(rank: int, world: int, code: list[str]) -> dict:
 
 def test_readme_snippets_run_on_two_ranks_and_move_images():
     code = snippets()
-    assert len(code) == 7, (
-        "unregistered ViT, eager, in place, FX pass, backend, plan ahead, statistics"
+    assert len(code) == 8, (
+        "unregistered ViT, eager, in place, FX pass, backend, plan ahead, replica sets, statistics"
     )
     assert_units_moved(run_ranks(_run_snippets, 2, code))
