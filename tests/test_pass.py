@@ -123,6 +123,16 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     projector_norm = self.projector.norm(flatten);  flatten = None""",
         )
 
+    def test_replica_sets_ride_in_the_plan_node_only(self):
+        gm = symbolic_trace(_model())
+        apply_vit_balance_pass(gm, config=QUADRATIC, replica_group=[1, 0], **FIXED)
+        plan = next(n for n in gm.graph.nodes if n.target is torch.ops.vitbal.plan.default)
+        self.assertExpectedInline(
+            f"{plan.args[4:]} {plan.kwargs}",
+            """(2, '0', in_balancing_mode, layout_token) {'replicas': [0, 1]}""",
+        )
+        self.assertIn("replicas = [0, 1]", gm.code)
+
     def test_pass_is_idempotent(self):
         gm = apply_vit_balance_pass(symbolic_trace(_model(deepstack_indexes=(0, 1))), **FIXED)
         code = gm.code

@@ -114,7 +114,8 @@ def apply_vit_balance_pass(
             ``enable_vit_balance``).
         replica_group: the ranks of the group holding this rank's batch (as
             ``dp_balance_vit_encoder`` takes it); the plan node then names them (group ranks).
-        group_name, world_size: override the group (e.g. fixed values for graph snapshots).
+        group_name, world_size: override the group (e.g. fixed values for graph snapshots);
+            ``replica_group`` then lists ranks of that group.
 
     Returns:
         ``gm``, rewritten in place (a logged no-op without a ViT call or a multi-rank group).
@@ -131,7 +132,10 @@ def apply_vit_balance_pass(
     if dist_info is None or not config.enabled:
         log.debug("apply_vit_balance_pass: nothing to do (group %s)", dist_info)
         return gm
-    dist_info = (*dist_info, replica_ranks(group, replica_group))
+    if group_name:  # overridden (a snapshot): the replica ranks are that group's own
+        dist_info = (*dist_info, tuple(sorted(replica_group or ())))
+    else:
+        dist_info = (*dist_info, replica_ranks(group, replica_group))
     target = vit if isinstance(vit, str) else _vit_target(gm, vit)
     calls = [
         n
