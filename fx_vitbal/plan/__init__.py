@@ -5,7 +5,8 @@ unit lists, each made when first read), ``units`` (the flat unit arrays, the fix
 ``Plan``), ``candidates`` (the row cap, assignments as the units they move, and the plan made of
 one), ``shed`` (which units overloaded ranks shed), ``greedy`` (LPT and the refinement),
 ``min_move`` (best-fit and min-move's attempts), ``nodes`` (node-aware min-move), ``solve``
-(``solve_plan``: the candidates and the choice).
+(``solve_plan``: the candidates and the choice), ``replicas`` (replica sets: ranks holding the
+same batch, reduced to one ``solve_plan`` over holdings, ``solve_for_sets``).
 
 Deterministic: every rank runs ``solve_plan`` on the same gathered input and must get the same
 answer. Decisions are made on integer fixed-point costs, whose sums are exact in any order (so

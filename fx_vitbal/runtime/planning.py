@@ -79,7 +79,6 @@ def plan(
     if planned is not None:  # made ahead (fx_vitbal.plan_ahead): no gather, no solve
         units = max_units(pixel_values.shape[0], merge_size)
         settings = (planner, merge_size)
-        replica_ranks = tuple(replicas or ())
         return handover.step_outputs(
             planned,
             pixel_values,
@@ -89,7 +88,7 @@ def plan(
             units,
             grad_fixed,
             problem,
-            replica_ranks,
+            tuple(replicas or ()),
         )
     grid, routing, _ = solve_for_rank(
         pixel_values,

@@ -73,8 +73,8 @@ class Routing:
     rank: int = -1
     """Replica sets only: this rank (which of the local units it sends)."""
     runs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    """Row ranges already worked out for this step, by ``(direction, shrink)``: the four moves
-    of a step (two forward, two backward) work each out once."""
+    """The moves already worked out for this step (``moves.move_of``): the four moves of a step
+    (two forward, two backward) work each out once."""
 
     def to_tensor(self, max_units: int) -> torch.Tensor:
         header = [
