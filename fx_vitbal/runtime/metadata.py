@@ -103,9 +103,9 @@ def gather_grids(
 
     Where the metadata lives on a device (a group without a CPU backend), a grid on that device
     is checked there, so the gathered header is the only value read back: one host sync. With
-    replica sets the pixels' checksum joins the header there, or the grid's read when the
-    header is gathered on the host; pixels on a device with a host grid and a CPU-backend group
-    are the one case where it is a read of its own.
+    replica sets the pixels' checksum is copied into the header where it lives, or joins the
+    grid's read (a device grid, a host header); pixels on a device with a host grid and a
+    CPU-backend group are the one case where it is a read of its own.
 
     Raises:
         ValueError: on every rank, naming each bad rank and its problem.
@@ -120,7 +120,15 @@ def gather_grids(
     checksum = replicas.pixel_checksum(pixel_values) if replicated else None
     rows, sums = [], [0] * replicas.CHECKSUM_FIELDS
     if not status and not on_device:  # a CUDA grid with a gloo group: its one read
-        grid_rows, sums = _read_grid(grid_thw, checksum)
+        # The checksum joins that read when it cannot reach the header otherwise (a device
+        # checksum, a host header), and it is on the grid's device.
+        joined = (
+            checksum is not None
+            and checksum.device != device
+            and checksum.device == grid_thw.device
+        )
+        grid_rows, sums = _read_grid(grid_thw, checksum if joined else None)
+        checksum = None if joined else checksum
         status, arg0, arg1, rows = _check_grid(pixel_values, grid_rows, merge_size)
     if problem:
         status, arg0, arg1, rows = problem, 0, 0, []
@@ -139,12 +147,16 @@ def gather_grids(
     ]
     if on_device and not problem:
         local = _device_header(pixel_values, grid_thw, merge_size, fields)
-        if checksum is not None:  # computed where the header lives: no read
-            local[_CHECKSUM:_REPORT] = transfer.to_device(checksum, local.device)
     else:
         inline = rows[:INLINE_GRID_ROWS] + [[0, 0, 0]] * (INLINE_GRID_ROWS - len(rows))
         values = [status, arg0, arg1, *fields, *sum(inline, [])]
         local = transfer.to_device(torch.tensor(values, dtype=torch.int64, device="cpu"), device)
+    if checksum is not None and not problem:  # copied into the header where it lives
+        if transfer.on_host(checksum):
+            checksum = transfer.to_device(checksum, local.device)
+        # A device checksum into a host header (pixels on a device, grid and header on the
+        # host) is the one case where this is a read.
+        local[_CHECKSUM:_REPORT] = checksum
     gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
     collectives.all_gather(gathered, local, group)
     values = gathered.view(world, local.numel()).tolist()  # the step's one host read
