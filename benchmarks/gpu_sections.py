@@ -57,6 +57,7 @@ class Path:
     pixel_grads: bool = False
     syncs: int = 1  # library host syncs per steady step: the gathered metadata
     error: str = ""  # the same ValueError expected on every rank
+    sets: tuple = ()  # replica sets (``replica_group``): a set's ranks hold its batch
 
 
 RANK_PATHS = [
@@ -67,6 +68,8 @@ RANK_PATHS = [
     Path("bf16_autocast", bf16=True),
     Path("pixel_grads", pixel_grads=True),
     Path("many_images", grids=MANY, syncs=2),  # the grids' second gather is read too
+    # 2 replica sets of 2: set 0 holds rank 0's skewed batch, set 1 (ranks 2, 3) none.
+    Path("replica_sets", grids=[GRIDS[0], GRIDS[0], [], []], sets=((0, 1), (2, 3))),
     Path("bad_grid", error="rank 1: image_grid_thw row 0: h and w must be multiples"),
     Path(
         "not_as_planned",
@@ -146,7 +149,11 @@ def rank_path(path: Path, models, rank: int, *, waits: HostWaits, moves: Moves, 
             model = apply_vit_balance_pass(model)
     device = next(reference.parameters()).device
     dtype = torch.bfloat16 if path.bf16 else torch.float32
-    inputs = inputs_for(path.grids[rank], rank, device, dtype)
+    replicas = next((list(s) for s in path.sets if rank in s), None)
+    seed = rank if replicas is None else replicas[0]  # a set's ranks hold the same pixels
+    if replicas is not None:
+        fx_vitbal.enable_vit_balance(model, replica_group=replicas)
+    inputs = inputs_for(path.grids[rank], seed, device, dtype)
     kwargs = {"bf16": path.bf16, "pixel_grads": path.pixel_grads}
     if path.how == "eager":
         kwargs["vit_call"] = plain_vit

@@ -12,7 +12,16 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Every row the summary must hold, as section/path.
-RANK_PATHS = ["eager", "in_place", "fx", "ahead", "bf16_autocast", "pixel_grads", "many_images"]
+RANK_PATHS = [
+    "eager",
+    "in_place",
+    "fx",
+    "ahead",
+    "bf16_autocast",
+    "pixel_grads",
+    "many_images",
+    "replica_sets",
+]
 ROWS = [f"ranks/{p}" for p in [*RANK_PATHS, "bad_grid", "not_as_planned"]] + [
     "compiled/fx_fullgraph",
     "compiled/wrapped_ahead",
