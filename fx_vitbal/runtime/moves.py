@@ -131,7 +131,7 @@ def _to_every_replica(route: Routing, shrink: int) -> Move:
 def _from_every_replica(route: Routing, shrink: int) -> Move:
     """Replica sets: output gradients from every rank of each set to the computing rank, summed
     there per set (rank by rank, ascending), then put in the order the units arrived in."""
-    back = _to_every_replica(route, shrink)
+    back = move_of(route, shrink, True, True)  # its reverse: what each rank sends back
     in_R, pieces = _by_computing_rank(route, shrink)
     order = [i for d in sorted(pieces) for i in pieces[d]]
     world = len(route.send_rows)
