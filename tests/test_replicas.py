@@ -391,3 +391,45 @@ def test_a_plan_made_ahead_for_other_replica_sets_raises_on_every_rank():
     for res in results:
         for got, want in zip(res["next"], res["want"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def _hf_planned_ahead(rank: int, world: int) -> dict:
+    from test_hf import _pixel_width, build_parent, make_batch
+
+    s, replicas, k = _place(rank, WORLDS["2x2"])
+    reference, model = build_parent("qwen2_vl"), build_parent("qwen2_vl")
+    fx_vitbal.enable_vit_balance(model, config=CONFIG, replica_group=replicas)
+    batch = make_batch("qwen2_vl", s, 0, _pixel_width(model.get_encoder(modality="image")))
+    batch = {key: v for key, v in batch.items() if key not in ("labels", "output_hidden_states")}
+    results = []
+    for vlm in (reference, model):
+        if vlm is model:  # the set's images and videos, planned as its one tower call sees them
+            planned = fx_vitbal.plan_ahead(
+                model,
+                batch.get("pixel_values"),
+                batch.get("image_grid_thw"),
+                pixel_values_videos=batch.get("pixel_values_videos"),
+                video_grid_thw=batch.get("video_grid_thw"),
+                group=dist.group.WORLD,
+                config=CONFIG,
+                replica_group=replicas,
+            )
+            fx_vitbal.use_plan(model, planned)
+        with record_collectives() as issued, record_moves() as moves:
+            logits = _sliced(lambda vlm=vlm: vlm(**batch).logits, k, len(replicas))()
+            logits.pow(2).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in vlm.parameters() if p.grad is not None])
+        dist.all_reduce(grads)
+        forward = [n for p, n, _, _ in issued if p == "forward"]
+        results.append((logits.detach(), grads, forward, moves))
+    return results
+
+
+def test_a_hugging_face_vlm_planned_ahead_with_replicas_matches_the_replicated_run():
+    pytest.importorskip("transformers")
+    for rank, ((want, want_grads, _, _), (got, grads, forward, _)) in enumerate(
+        run_ranks(_hf_planned_ahead, 4)
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"rank {rank}")
+        torch.testing.assert_close(grads, want_grads, rtol=1e-4, atol=1e-5, msg=f"rank {rank}")
+        assert forward[0] == "all_to_all", forward  # no metadata gather in the step
