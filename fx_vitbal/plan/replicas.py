@@ -53,16 +53,26 @@ def solve_for_sets(
         indices in its set of the units rank ``r`` holds, ascending (``plan``'s unit ``(r, j)``
         is unit ``held[r][j]`` of ``r``'s set).
     """
-    num_ranks = sum(map(len, sets))
-    held: list[list[int]] = [[] for _ in range(num_ranks)]
+    held: list[list[int]] = [[] for _ in range(sum(map(len, sets)))]
     for ranks, costs in zip(sets, set_costs, strict=True):
         for i, j in enumerate(holders(costs, len(ranks))):
             held[ranks[j]].append(i)
-    set_of = [0] * num_ranks
+    costs_R, tokens_R = as_held(set_costs, sets, held), as_held(set_tokens, sets, held)
+    plan = solve_plan(costs_R, tokens_R, config=config, exchange_seconds=exchange_seconds)
+    return plan, held
+
+
+def set_of_ranks(sets: Sequence[Sequence[int]]) -> list[int]:
+    """Each rank's set: ``sets`` inverted."""
+    set_of = [0] * sum(map(len, sets))
     for s, ranks in enumerate(sets):
         for r in ranks:
             set_of[r] = s
-    costs_R = [[set_costs[set_of[r]][i] for i in held[r]] for r in range(num_ranks)]
-    tokens_R = [[set_tokens[set_of[r]][i] for i in held[r]] for r in range(num_ranks)]
-    plan = solve_plan(costs_R, tokens_R, config=config, exchange_seconds=exchange_seconds)
-    return plan, held
+    return set_of
+
+
+def as_held(per_set: Sequence[Sequence], sets: Sequence[Sequence[int]], held) -> list[list]:
+    """Values of each set's units (``per_set[s][i]``) as the plan holds them: rank ``r``'s list
+    is its set's values at ``held[r]``."""
+    set_of = set_of_ranks(sets)
+    return [[per_set[set_of[r]][i] for i in units] for r, units in enumerate(held)]

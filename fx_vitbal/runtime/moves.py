@@ -49,54 +49,38 @@ def move_of(routing: Routing, shrink: int, outputs: bool, reverse: bool) -> Move
     go to every rank of a set, and their gradients come from every one)."""
     key = (shrink, outputs and routing.replicated, reverse)
     if key not in routing.runs:
-        if not routing.replicated:
-            make = _home_back if reverse else _out
-        elif outputs:
+        if outputs and routing.replicated:
             make = _to_every_replica if reverse else _from_every_replica
         else:
-            make = _pixels_back if reverse else _pixels_out
+            make = _home_back if reverse else _out
         routing.runs[key] = make(routing, shrink)
     return routing.runs[key]
 
 
+def _sends(route: Routing, i: int) -> bool:
+    """Whether this rank sends local unit ``i``'s pixels: every unit of its own, or with replica
+    sets the units it is the sender of."""
+    return not route.replicated or route.sender[i] == route.rank
+
+
 def _out(route: Routing, shrink: int) -> Move:
-    """Each unit to the rank computing it, in destination order."""
-    send_R = [n // shrink for n in route.send_rows]
-    order = sorted(range(len(route.dest)), key=lambda i: (route.dest[i], i))
-    recv_R = [n // shrink for n in route.recv_rows]
-    return Move(_ranges(route, shrink, order), send_R, recv_R, None)
-
-
-def _home_back(route: Routing, shrink: int) -> Move:
-    """Each computed unit back to its rank, where it takes its place in local order (a source
-    returns the units it computed for this rank in local order)."""
-    filled = [0] * len(route.send_rows)
-    pieces = []
-    for d, n in zip(route.dest, route.unit_rows, strict=True):
-        pieces.append((d, filled[d], filled[d] + n // shrink))
-        filled[d] += n // shrink
-    send_R = [n // shrink for n in route.send_rows]
-    recv_R = [n // shrink for n in route.recv_rows]
-    return Move(None, recv_R, send_R, _merged_pieces(pieces))
-
-
-def _pixels_out(route: Routing, shrink: int) -> Move:
-    """Replica sets: each unit's pixels from its sender only."""
-    mine = [i for i, s in enumerate(route.sender) if s == route.rank]
+    """Each unit this rank sends to the rank computing it, in destination order."""
+    mine = [i for i in range(len(route.dest)) if _sends(route, i)]
     order = sorted(mine, key=lambda i: (route.dest[i], i))
     send_R = [n // shrink for n in route.send_rows]
     recv_R = [n // shrink for n in route.recv_rows]
     return Move(_ranges(route, shrink, order), send_R, recv_R, None)
 
 
-def _pixels_back(route: Routing, shrink: int) -> Move:
-    """Replica sets: pixel gradients to each unit's sender; zeros for the units others sent."""
+def _home_back(route: Routing, shrink: int) -> Move:
+    """Each computed unit back to the rank that sent it, where it takes its place in local
+    order (a source returns the units it computed for this rank in local order); with replica
+    sets, zeros for the units another rank of the set sent."""
     filled = [0] * len(route.send_rows)
     pieces = []
-    for i, n in enumerate(route.unit_rows):
+    for i, (d, n) in enumerate(zip(route.dest, route.unit_rows, strict=True)):
         rows = n // shrink
-        if route.sender[i] == route.rank:
-            d = route.dest[i]
+        if _sends(route, i):
             pieces.append((d, filled[d], filled[d] + rows))
             filled[d] += rows
         else:

@@ -18,7 +18,7 @@ from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.cost.static import CostModel
 from fx_vitbal.measure.measurements import measurements_for
 from fx_vitbal.measure.stats import defer, publish
-from fx_vitbal.plan.replicas import solve_for_sets
+from fx_vitbal.plan.replicas import as_held, solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime import handover, status, transfer
@@ -242,8 +242,7 @@ def plan_units(
         plan, held = solve_for_sets(
             costs, tokens, sets, config=config, exchange_seconds=exchange_seconds
         )
-        set_of = {r: s for s, ranks in enumerate(sets) for r in ranks}
-        units_R = [[units_S[set_of[r]][i] for i in held[r]] for r in range(len(held))]
+        units_R = as_held(units_S, sets, held)
         replica_layout = held, units_S
     step = next(_plan_calls)
     note = None

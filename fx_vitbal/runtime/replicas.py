@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fx_vitbal.plan.replicas import set_of_ranks
 from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime.routing import Routing
 
@@ -114,11 +115,8 @@ def routing_for_sets(
     computed outside is sent by its holder. Units arrive grouped by sender, in the set's order:
     the ``(sender, index)`` order every move of ``moves`` keeps.
     """
-    world = sum(map(len, sets))
-    set_of = [0] * world
-    for s, ranks in enumerate(sets):
-        for r in ranks:
-            set_of[r] = s
+    set_of = set_of_ranks(sets)
+    world = len(set_of)
     mine = set_of[rank]
     units = units_S[mine]
     dest, sender = [0] * len(units), [0] * len(units)
