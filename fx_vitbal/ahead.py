@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.runtime import handover
+from fx_vitbal.runtime import handover, transfer
 from fx_vitbal.runtime.collectives import group_ranks
 from fx_vitbal.runtime.handover import PlannedBatch, batch_key
 from fx_vitbal.runtime.planning import solve_for_rank
@@ -77,7 +77,12 @@ def plan_ahead(
         pixel_values: the pixels exactly as the ViT will get them (shape, dtype,
             ``requires_grad``; a ``device="meta"`` tensor of that shape and dtype is enough, and
             copies nothing), or None on a rank without images (as in the step). For a Hugging
-            Face VLM: the batch's ``pixel_values`` as the processor gave them.
+            Face VLM: the batch's ``pixel_values`` as the processor gave them. With
+            ``replica_group``, the replicas' grids are compared here; their pixel values only
+            where they are on the host (a checksum, computed on this thread), since reading
+            pixels on a device would wait for the step's queued work and ``meta`` pixels hold
+            none: replicas whose device pixels differ are caught only by a plan made in the
+            step.
         image_grid_thw: their ``[t, h, w]`` rows (on the CPU: reading them waits for nothing).
         group: the group to gather over (gloo: everything stays on the CPU).
         config: balancing settings; must be the step's.
@@ -113,6 +118,10 @@ def plan_ahead(
         group,
         module_key=layout_token(module),
         replicas=replicas,
+        device_type=_step_device_type(module, pixel_values),
+        # Reading pixels on a device here would wait for the step's queued work: replicas'
+        # pixels are compared only from the host (``fx_vitbal.runtime.replicas``).
+        check_pixels=transfer.on_host(pixel_values),
     )
     Routing.of(routing)  # parse it here, not in the step
     return PlannedBatch(
@@ -169,6 +178,19 @@ def _planned_module(model, vit, config) -> tuple[nn.Module, tuple[str, int], boo
     # A ViT passed itself: the dp_balance_vit_encoder calls of a compiled function take its plan.
     balanced = is_balanced_in_place(module) or plan_node is not None or module is inner
     return module, settings, balanced
+
+
+def _step_device_type(module: nn.Module, pixel_values: torch.Tensor) -> str:
+    """The device type the step's ViT runs on, whose autocast state keys its output layouts:
+    the pixels', or for ``meta`` pixels the ViT's parameters', else the current accelerator's."""
+    if pixel_values.device.type != "meta":
+        return pixel_values.device.type
+    param = next(iter(module.parameters()), None)
+    if param is not None and param.device.type != "meta":
+        return param.device.type
+    if not torch.accelerator.is_available():
+        return "cpu"
+    return torch.accelerator.current_accelerator().type
 
 
 def _entry_of(module: nn.Module):

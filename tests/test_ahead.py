@@ -338,3 +338,45 @@ def test_online_costs_are_timed_and_reported_through_plans_made_ahead():
     # Each plan made ahead reports the previous planned call's ViT times, from every rank.
     assert all(s is not None and s > 0 for s in seconds[-1])
     assert len(set(steps[-1])) == 1
+
+
+def _any_vit(rank: int, world: int) -> dict:
+    """An unregistered ViT written to the seed's contract (``test_contract.SeedViT``), passed
+    to ``plan_ahead`` itself, with its pixels on the host and as ``meta``; then all three ranks
+    as one replica set, planned from ``meta`` pixels."""
+    from test_contract import GRIDS, SeedViT
+
+    plan_group = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    vit = SeedViT()
+    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank)
+    want = vit(pixels, grid)[0].detach()
+    results = {}
+    for kind in ("host", "meta"):
+        planned_pixels = pixels if kind == "host" else pixels.to("meta")
+        planned = fx_vitbal.plan_ahead(vit, planned_pixels, grid, group=plan_group)
+        with record_collectives() as issued, record_moves() as moves:
+            got = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, plan=planned)[0]
+        results[kind] = {
+            "exact": torch.allclose(got, want, rtol=1e-5, atol=1e-6),
+            "gathers": _gathers(issued),
+            "moves": moves,
+        }
+    _, pixels, grid = make_inputs(GRIDS[0], in_dim=24, seed=0)  # every rank: one set's batch
+    planned = fx_vitbal.plan_ahead(
+        vit, pixels.to("meta"), grid, group=plan_group, replica_group=[0, 1, 2]
+    )
+    got = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, plan=planned, replica_group=[0, 1, 2])
+    results["replicas"] = torch.allclose(got[0], vit(pixels, grid)[0], rtol=1e-5, atol=1e-6)
+    return results
+
+
+def test_any_vit_plans_ahead_from_host_or_meta_pixels_with_or_without_replica_sets():
+    results = run_ranks(_any_vit, 3)
+    for kind in ("host", "meta"):
+        runs = [res[kind] for res in results]
+        assert all(run["exact"] for run in runs), runs
+        # The step gathers nothing but the layout agreement of the ViT's first planned call.
+        assert [run["gathers"] for run in runs] == [{"all_gather": kind == "host"}] * 3, runs
+        assert_units_moved(runs)
+    assert all(res["replicas"] for res in results)

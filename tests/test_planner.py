@@ -1003,9 +1003,13 @@ def test_plan_is_the_same_for_any_thread_count():
 @pytest.mark.parametrize("num_ranks", [64, 512])  # planned on Python lists, by torch ops
 def test_a_default_device_leaves_the_plan_on_the_host(num_ranks):
     case = realistic_case(num_ranks, 8, 0)
+    host = plan_of(case)
     with torch.device("meta"):  # as torch.set_default_device("cuda") would, on any machine
         on_meta = plan_of(case)
-    assert on_meta == plan_of(case)
+        # Read under it too, as a step (or the online model's bookkeeping) reads it later.
+        every = list(on_meta.assignment)
+        one = [on_meta.assignment[d] for d in range(num_ranks)]
+    assert on_meta == host and every == list(host.assignment) == one
 
 
 # Two executions of one planner: Python lists for small inputs, torch ops for large ones

@@ -262,42 +262,67 @@ def test_in_place_fx_compiled_and_planned_ahead_match_the_replicated_run(name):
 BAD_SETS = {
     "grids differ": ([[0, 1], [0, 1], [2, 3], [2, 3]], "image_grid_thw of rank(s) [1]"),
     "pixels differ": ([[0, 1], [0, 1], [2, 3], [2, 3]], "pixel_values of rank(s) [3] differ"),
+    # The same values, two rows of different images swapped: only the row weighting sees it.
+    "rows swapped": ([[0, 1], [0, 1], [2, 3], [2, 3]], "pixel_values of rank(s) [3] differ"),
     "overlap": ([[0, 1], [1, 2], [1, 2], [3, 0]], "do not partition the group"),
-    "sizes differ": ([[0, 1], [0, 1], [2], [3]], "must all have the same size"),
+    # Sets that partition the group but for their sizes: the size rule alone refuses them, and
+    # its message lists every rank's (no other rule's does).
+    "sizes differ": ([[0, 1], [0, 1], [2], [3]], "rank 0: 2, rank 1: 2, rank 2: 1, rank 3: 1"),
     "some pass None": ([[0, 1], [0, 1], None, None], "must all have the same size"),
     "not its own set": ([[1, 2], [1, 2], [1, 2], [3]], "rank 0: its replica_group does not hold"),
     "outside the group": ([[0, 5], [1, 2], [1, 2], [3]], "rank 0: its replica_group does not hold"),
 }
 
 
-def _bad_then_good(rank: int, world: int, case: str) -> dict:
-    declared, _ = BAD_SETS[case]
+def _pixels(s: int, dtype=torch.float64, grids=((1, 4, 4), (1, 8, 4))) -> tuple:
+    """Set ``s``'s batch, with a zero in every row (so the sign of zero can differ)."""
+    _, pixels, grid = make_inputs([list(g) for g in grids], in_dim=24, seed=s, dtype=dtype)
+    pixels[:, 0] = 0.0
+    return pixels, grid
+
+
+def _bad_then_good(rank: int, world: int) -> dict:
+    """Every case of ``BAD_SETS`` in turn, each followed by a good step with the sets as
+    process groups, whose rank 3 holds its set's pixels with every zero negated (``-0.0``:
+    equal in value, so the replicas agree)."""
     torch.manual_seed(0)
     vit = QwenStyleViT(ViTConfig()).double()
     s = rank // 2
-    grids = [[1, 4, 4], [1, 8, 4]] if not (case == "grids differ" and rank == 1) else [[1, 4, 4]]
-    seed = s + (case == "pixels differ" and rank == 3)
-    _, pixels, grid = make_inputs(grids, in_dim=24, seed=seed, dtype=torch.float64)
-    error = None
-    try:
-        fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, replica_group=declared[rank])
-    except ValueError as e:
-        error = str(e)
-    # The ranks are still in lockstep: a good step follows, with the sets as process groups.
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    _, pixels, grid = make_inputs([[1, 4, 4], [1, 8, 4]], in_dim=24, seed=s, dtype=torch.float64)
-    embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, replica_group=groups[s])
-    want, _, _ = vit(pixels, grid)
-    return {"error": error, "good": torch.allclose(embeds, want, rtol=1e-9, atol=1e-9)}
+    results = {}
+    for case, (declared, _) in BAD_SETS.items():
+        grids = ((1, 4, 4),) if case == "grids differ" and rank == 1 else ((1, 4, 4), (1, 8, 4))
+        pixels, grid = _pixels(s + (case == "pixels differ" and rank == 3), grids=grids)
+        if case == "rows swapped" and rank == 3:  # a row of each image, swapped
+            pixels[[0, 16]] = pixels[[16, 0]]
+        error = None
+        try:
+            fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, replica_group=declared[rank])
+        except ValueError as e:
+            error = str(e)
+        pixels, grid = _pixels(s)
+        if rank == 3:
+            pixels[:, 0] = -0.0
+        embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, replica_group=groups[s])
+        want, _, _ = vit(pixels, grid)
+        results[case] = {"error": error, "good": torch.allclose(embeds, want, rtol=1e-9, atol=0)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def bad_then_good() -> list[dict]:
+    return run_ranks(_bad_then_good, 4)
 
 
 @pytest.mark.parametrize("case", list(BAD_SETS))
-def test_replicas_that_disagree_or_sets_that_do_not_partition_raise_on_every_rank(case):
-    results = run_ranks(_bad_then_good, 4, case)
+def test_replicas_that_disagree_or_sets_that_do_not_partition_raise_on_every_rank(
+    case, bad_then_good
+):
+    results = [res[case] for res in bad_then_good]
     errors = {res["error"] for res in results}
     assert len(errors) == 1 and None not in errors, errors  # the same ValueError everywhere
     assert BAD_SETS[case][1] in errors.pop()
-    assert all(res["good"] for res in results)
+    assert all(res["good"] for res in results)  # and -0.0 agreed with 0.0
 
 
 def _sliced(forward, k: int, r: int):

@@ -101,7 +101,8 @@ class Assignment(Sequence):
         if self._every is None:
             if isinstance(self._ids_A, torch.Tensor):
                 src_A = self._src_U.index_select(0, self._ids_A)
-                starts = torch.tensor(self._starts, dtype=torch.int64)
+                # On the CPU whatever the caller's default device: read long after the solve.
+                starts = torch.tensor(self._starts, dtype=torch.int64, device="cpu")
                 idx_A = self._ids_A - starts.index_select(0, src_A)
                 src_A, idx_A = src_A.tolist(), idx_A.tolist()
             else:

@@ -114,7 +114,8 @@ def layout_key(module_key: int, pixels_dtype_code: int, device_type: str) -> int
     """A rank's key for the layouts of a call: its ViT (``module_key``; 0 inside a compiled
     graph, whose layouts are fixed), the pixels' dtype and the autocast state, which is all that
     changes a sound ViT's output layouts between calls."""
-    autocast = torch.is_autocast_enabled(device_type)
+    available = torch.amp.is_autocast_available(device_type)  # not for ``meta``, say
+    autocast = available and torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else None
     text = f"{module_key}|{pixels_dtype_code}|{autocast}|{dtype}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")

@@ -85,6 +85,7 @@ def gather_grids(
     grad_fixed: bool = False,
     new_layout: bool = False,
     replica_ranks: Sequence[int] = (),
+    check_pixels: bool = True,
 ) -> Gathered:
     """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
 
@@ -99,7 +100,9 @@ def gather_grids(
     ``new_layout``: this rank has no output layouts agreed for the call; ``replica_ranks``: the
     ranks of ``group`` that hold this rank's batch (``runtime.replicas``: its declaration and
     pixel checksum ride in the header; sets that do not partition the group, or whose ranks
-    hold different grids or pixels, make every rank raise).
+    hold different grids or pixels, make every rank raise; ``check_pixels=False`` leaves this
+    rank's pixels out of the comparison: ``fx_vitbal.plan_ahead`` with pixels it cannot read
+    without waiting, on a device or as ``meta``).
 
     Where the metadata lives on a device (a group without a CPU backend), a grid on that device
     is checked there, so the gathered header is the only value read back: one host sync. With
@@ -117,7 +120,7 @@ def gather_grids(
         not status and not transfer.on_host(grid_thw) and not collectives.gathers_on_host(group)
     )
     replicated = len(replica_ranks) > 1 and not status
-    checksum = replicas.pixel_checksum(pixel_values) if replicated else None
+    checksum = replicas.pixel_checksum(pixel_values) if replicated and check_pixels else None
     rows, sums = [], [0] * replicas.CHECKSUM_FIELDS
     if not status and not on_device:  # a CUDA grid with a gloo group: its one read
         # The checksum joins that read when it cannot reach the header otherwise (a device

@@ -114,9 +114,13 @@ def solve_for_rank(
     problem: int = 0,
     grad_fixed: bool = False,
     replicas: tuple[int, ...] = (),
+    device_type: str | None = None,
+    check_pixels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
-    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``."""
+    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``.
+    ``device_type``: where the step's ViT runs, for its autocast state (default: the pixels'
+    device); ``check_pixels``: as ``gather_grids`` takes it."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     # --- measured times (fx_vitbal.measure): report an earlier call in the header, fit from
     # every rank's reports, plan with the fitted models. Ranks whose fits saw different calls
@@ -125,7 +129,7 @@ def solve_for_rank(
     fingerprint = settings_fingerprint(planner, merge_size, world_size, state.calls())
     report = state.report()
     dtype_code = DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1
-    key = layout_key(module_key, dtype_code, pixel_values.device.type)
+    key = layout_key(module_key, dtype_code, device_type or pixel_values.device.type)
     ranks = group_ranks(group)
     gathered = gather_grids(
         pixel_values,
@@ -138,6 +142,7 @@ def solve_for_rank(
         grad_fixed=grad_fixed,
         new_layout=layouts_agreed(ranks, key) is None,
         replica_ranks=replicas,
+        check_pixels=check_pixels,
     )
     measured = state.observe(gathered.reports_R)
     pixel_bytes = gathered.row_numel * DTYPES[gathered.dtype_code].itemsize

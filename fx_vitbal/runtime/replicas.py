@@ -21,7 +21,7 @@ from fx_vitbal.runtime.routing import Routing
 
 # Header fields of a rank's declaration (``declare``) and of its pixels' checksum.
 DECLARED_FIELDS = 3
-CHECKSUM_FIELDS = 2
+CHECKSUM_FIELDS = 3
 
 
 def declare(replicas: Sequence[int], rank: int) -> list[int]:
@@ -37,16 +37,20 @@ def declare(replicas: Sequence[int], rank: int) -> list[int]:
 
 
 def pixel_checksum(pixel_values: torch.Tensor) -> torch.Tensor:
-    """Two int64 that equal pixels give alike on every rank, computed where the pixels live:
-    the sum of their bits as integers, and that sum row by row weighted by the row's position
-    (so rows swapped between images differ). Integer sums are exact in any order."""
+    """Three int64 that pixels equal in value give alike on every rank, computed where the
+    pixels live: 1 (a checksum is present), the sum of their bits as integers, and that sum row
+    by row weighted by the row's position (so rows swapped between images differ). Integer
+    sums are exact in any order. Values, not bits: ``-0.0`` counts as ``0.0`` (adding ``0.0``
+    turns it into ``+0.0``); a NaN still compares by its bits."""
     x = pixel_values.detach()
     if x.dim() < 2 or not x.numel():
-        return torch.zeros(CHECKSUM_FIELDS, dtype=torch.int64, device=x.device)
-    bits = torch.int16 if x.element_size() == 2 else torch.int32
-    per_row = x.reshape(x.shape[0], -1).contiguous().view(bits).sum(1, dtype=torch.int64)
+        present = torch.zeros(CHECKSUM_FIELDS, dtype=torch.int64, device=x.device)
+        present[0] = 1
+        return present
+    bits = torch.int16 if x.element_size() == 2 else torch.int32  # float64: two words a value
+    per_row = (x.reshape(x.shape[0], -1) + 0.0).view(bits).sum(1, dtype=torch.int64)
     weights = torch.arange(1, x.shape[0] + 1, dtype=torch.int64, device=x.device)
-    return torch.stack([per_row.sum(), (per_row * weights).sum()])
+    return torch.stack([per_row.new_ones(()), per_row.sum(), (per_row * weights).sum()])
 
 
 def check_declarations(declared_R: list[list[int]]) -> tuple[list[tuple[int, ...]] | None, list]:
@@ -86,7 +90,10 @@ def check_agreement(sets, grids_R, checksums_R) -> list[str]:
     for ranks in sets:
         first = ranks[0]
         grids = [r for r in ranks if grids_R[r] != grids_R[first]]
-        pixels = [r for r in ranks if checksums_R[r] != checksums_R[first]]
+        # Ranks whose pixels were not checked (``pixel_checksum``'s first field 0: pixels of
+        # a plan made ahead on a device or as ``meta``) agree with any.
+        checked = [r for r in ranks if checksums_R[r][0]]
+        pixels = [r for r in checked if checksums_R[r] != checksums_R[checked[0]]]
         if grids:
             problems.append(
                 f"replica set {list(ranks)}: image_grid_thw of rank(s) {grids} differs from "
@@ -95,7 +102,7 @@ def check_agreement(sets, grids_R, checksums_R) -> list[str]:
         elif pixels:
             problems.append(
                 f"replica set {list(ranks)}: pixel_values of rank(s) {pixels} differ from rank "
-                f"{first}'s (checksum); every rank of a set must hold the same batch"
+                f"{checked[0]}'s (checksum); every rank of a set must hold the same batch"
             )
     return problems
 

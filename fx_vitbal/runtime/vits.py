@@ -151,7 +151,9 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 
 def find_vit(model: nn.Module, vit: str | nn.Module | None = None) -> nn.Module:
     """Locate the ViT as ``enable_vit_balance`` documents, seeing through wrappers around
-    ``model``; a ViT inside a wrapper is returned as its outermost wrapper.
+    ``model``; a ViT inside a wrapper is returned as its outermost wrapper. A module with none
+    of those inside that follows the contract itself (a ``spatial_merge_size`` attribute) is
+    its own ViT: the contract needs no registration.
 
     Raises:
         ValueError: no ViT found.
@@ -160,7 +162,7 @@ def find_vit(model: nn.Module, vit: str | nn.Module | None = None) -> nn.Module:
         return vit
     if _is_registered(model):
         return model
-    model = unwrap_module(model)
+    outer, model = model, unwrap_module(model)
     if isinstance(vit, str):
         return model.get_submodule(vit)
     named = list(model.named_modules())  # pre-order: a wrapper comes before what it wraps
@@ -170,9 +172,12 @@ def find_vit(model: nn.Module, vit: str | nn.Module | None = None) -> nn.Module:
     for _, module in named:
         if _is_registered(module):
             return module
+    if isinstance(getattr(model, "spatial_merge_size", None), int):
+        return outer
     raise ValueError(
         f"no vision encoder found in {type(model).__qualname__}: pass vit='path.to.vit', name "
-        f"it one of {VIT_CHILD_NAMES}, or register its class with register_vision_encoder"
+        f"it one of {VIT_CHILD_NAMES}, register its class with register_vision_encoder, or "
+        "give a ViT that follows the contract (a spatial_merge_size attribute)"
     )
 
 
