@@ -126,11 +126,11 @@ def plan_ahead(
     Routing.of(routing)  # parse it here, not in the step
     return PlannedBatch(
         plan=solved,
-        grid=grid.cpu(),
+        grid=grid,
         routing=routing,
         settings=settings,
         ranks=group_ranks(group),
-        batch=batch_key(pixel_values, image_grid_thw),
+        batch=batch_key(pixel_values, routing._vitbal_home_grid),  # the grid as gathered
         replicas=replicas,
     )
 

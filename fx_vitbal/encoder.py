@@ -144,21 +144,21 @@ def _balanced_call(
     # ViT's parameters get (zero) gradients; DDP fails the next step if they get none.
     problem = 0
     if pixel_values is None:  # no images here: take part with rows in the others' layout
-        pixel_values, problem = stand_in_pixels(vit)
+        pixel_values, problem = stand_in_pixels(vit, dist_info[0])
         image_grid_thw = torch.empty(0, 3, dtype=torch.long, device=pixel_values.device)
 
     def run(pixels, grid):
         embeds, window_index, deepstack = call(pixels, grid)
         return [embeds, *deepstack], window_index
 
-    outputs, window_index = run_balanced(
+    outputs, window_index, routing = run_balanced(
         run, pixel_values, image_grid_thw, merge, planner, dist_info, True, vit, problem
     )
     if outputs is None:  # no pixel tensor anywhere, or a problem every rank raises
         # (A compiled rank returns the plan's empty output: it keeps the op in the graph.)
         return (window_index if problem else None), None, []
     if window_index is not None:
-        window_index = regenerate_window_index(vit, image_grid_thw)
+        window_index = regenerate_window_index(vit, image_grid_thw, routing)
     return outputs[0], window_index, list(outputs[1:])
 
 

@@ -1,29 +1,45 @@
-"""Count what a step would cost on an accelerator, on the CPU: collectives per phase, host syncs
-and host waits on device events.
+"""Count what a step would cost on an accelerator, on the CPU: collectives per phase, host syncs,
+host waits, and host tensors mixed with device tensors; the library's apart from the model's.
 
 ``simulated_accelerator()`` runs the library's accelerator branches on CPU tensors. A tensor is
-"on the device" when its storage is: the inputs the test marks (``record.on_accelerator``),
-whatever the library copies "to the device" (``transfer.to_device``), everything gathered or
-exchanged, and, followed by a ``TorchDispatchMode`` through every op (the ViT's, the model's,
-the backward's, and the ``vitbal`` custom ops' own bodies), whatever any op computes from or
-writes with a device tensor. The group is treated as having no CPU backend (NCCL), so metadata
-is gathered "on the device".
+"on the device" when its storage is marked: the inputs and modules the test places there
+(``on_accelerator``, ``place``), whatever the library copies there (``transfer.to_device``),
+everything gathered or exchanged, and, followed by a ``TorchDispatchMode`` through every op (the
+ViT's, the model's, the backward's, and the ``vitbal`` custom ops' own bodies), whatever an op
+computes from device tensors or makes on the device. Marked tensors report the simulated device
+``DEVICE`` (``cpu:1``) as their ``.device``, so code that places a tensor "where that one is"
+(``torch.zeros(..., device=x.device)``, ``y.to(x.device)``) is seen doing so, and a copy
+between the host and the device is seen as one. The group is treated as having no CPU backend
+(NCCL), so metadata is gathered "on the device", unless ``gloo=True`` (a ``cpu:gloo,cuda:nccl``
+group: metadata on the host, exchanges on the device).
 
-Recorded, with the library line that caused it (ops called from the ViT's, the model's or the
-test's own code are not the library's):
+Recorded, each with the line that caused it: under ``syncs``, ``waits``, ``mixed`` and
+``copies`` when that line is the library's (``fx_vitbal``, but for the reference models in
+``fx_vitbal/tools``), under ``model_syncs`` (and so on) when it is anyone else's (the ViT, a
+Hugging Face tower or parent, the replayed feature code, the test's own code):
 
-- ``syncs``: what blocks the host on a GPU: an op that reads a device tensor's values on the
-  host (``_local_scalar_dense``, which ``.item()``, ``bool()``, ``int()`` and indexing with a
-  0-d tensor become), an op whose output size depends on device values (``nonzero``,
-  ``masked_select``, ``unique*``, ``repeat_interleave`` without ``output_size``), ``equal`` and
-  ``is_nonzero``, a blocking device-to-host ``copy_``, and the host reads that dispatch no op
-  (``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``);
-- ``waits``: host waits on a device event (``transfer.wait``), which CUDA's sync debug mode does
-  not flag;
-- ``collectives``: ``(phase, name)`` of each gather and exchange.
+- ``syncs``, what blocks the host on a GPU: an op that reads a device tensor's values on the
+  host (``_local_scalar_dense``, which ``.item()``, ``bool()``, ``int()``, ``float()`` and
+  indexing with a 0-d tensor become; ``allclose``, ``equal``, ``is_nonzero``), an op whose
+  output size depends on device values (``nonzero``, ``masked_select``, ``unique*``,
+  ``bincount``, ``histc``, ``repeat_interleave`` without ``output_size``, indexing or
+  assignment with a boolean mask), a blocking copy either way (``copy_``, ``.to()``,
+  ``.type()``, ``.cpu()``, ``torch.tensor(..., device=)``, ``new_tensor``), a tensor built from
+  device values (``torch.tensor([t0, t1])``), and the host reads that dispatch no op
+  (``.tolist()``, ``.numpy()``);
+- ``waits``: host waits on the device: an event the library waits for (``transfer.wait``),
+  ``torch.cuda.synchronize``, ``torch.accelerator.synchronize``, a stream's or an event's
+  ``synchronize`` (CUDA's sync debug mode flags none of these);
+- ``mixed``: an op given both device tensors and host tensors with dimensions (0-d host
+  tensors are scalars, which CUDA kernels take): on a GPU an error, or for an index a blocking
+  copy to the device;
+- ``copies``: non-blocking copies (queued; their event wait is what may block);
+- ``collectives``: ``(phase, name)`` of each gather and exchange the library issues.
 
-A non-blocking device-to-host copy (into pinned memory) is not a sync; its event wait is. The
-routing tensor is a host tensor by design (``vitbal::plan`` makes it on the CPU).
+What it cannot see: work inside a compiled graph (only the ``vitbal`` ops' bodies are followed
+there, ``compiled=True``); tensors made on ``x.device.type`` (a string: "cpu" here, "cuda"
+there); C++ code that reads a device tensor without dispatching an op; and time (a
+non-blocking copy is counted, not timed).
 """
 
 import contextlib
@@ -38,7 +54,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fx_vitbal
 from fx_vitbal.runtime import collectives, ops, planning, transfer
 
+DEVICE = torch.device("cpu", 1)
 _LIBRARY = os.path.dirname(fx_vitbal.__file__)
+_TOOLS = os.path.join(_LIBRARY, "tools")
 _TORCH = os.path.dirname(torch.__file__)
 aten = torch.ops.aten
 
@@ -51,18 +69,24 @@ _SYNC_OPS = {
     aten.masked_select.default,
     aten.equal.default,
     aten.is_nonzero.default,
+    aten.allclose.default,
+    aten.bincount.default,
+    aten.histc.default,
     aten._unique.default,
     aten._unique2.default,
     aten.unique_dim.default,
     aten.unique_consecutive.default,
 }
+_REPEAT_BY_INT = aten.repeat_interleave.self_int
+_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+_COPIES = {aten._to_copy.default, aten.copy_.default}
 # The custom ops' Python bodies: run under the mode, so the ops inside them are followed too.
 _BODIES = {
     torch.ops.vitbal.plan.default: planning.plan._init_fn,
     torch.ops.vitbal.redistribute.default: ops.redistribute._init_fn,
     torch.ops.vitbal.restore.default: ops.restore._init_fn,
 }
-_READS = ("tolist", "numpy", "cpu", "to")  # host reads that dispatch no op
+_DEVICE_PROPERTY = torch._C.TensorBase.device
 
 
 class _Event:
@@ -74,7 +98,11 @@ class _Simulation(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.record = {"syncs": [], "waits": [], "collectives": [], "copies": []}
+        self.record = {
+            kind: []
+            for kind in ("syncs", "waits", "mixed", "collectives", "copies")
+            + ("model_syncs", "model_waits", "model_mixed", "model_copies")
+        }
         # By storage, so views count too; an empty tensor has no storage, so by the tensor
         # itself (the same Python object for every op it reaches). Kept alive: no host tensor
         # reuses a key.
@@ -85,30 +113,51 @@ class _Simulation(TorchDispatchMode):
         self._device[_key(tensor)] = tensor
         return tensor
 
+    def place(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` with its parameters, their gradients and its buffers on the device (in
+        place, no copy)."""
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        for tensor in [*module.parameters(), *grads, *module.buffers()]:
+            self.on_accelerator(tensor)
+        return module
+
     def on_device(self, tensor: torch.Tensor) -> bool:
         return _key(tensor) in self._device
 
     def note(self, kind: str, what: str, within: str = "") -> None:
-        caller = _library_caller(within)
-        if caller is not None:
-            self.record[kind].append(f"{caller} {what}")
+        who, where = _caller(within)
+        self.record[kind if who == "library" else f"model_{kind}"].append(f"{where} {what}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        from_device = any(self.on_device(t) for t in tensors)
-        if from_device and _syncs(func, args, kwargs):
-            self.note("syncs", func.__name__)
+        on_device = [self.on_device(t) for t in tensors]
+        from_device = any(on_device)
+        target = kwargs.get("device")
+        target = None if target is None else torch.device(target)
+        # A backward formula's own ops (C++, called by the autograd engine) work where the
+        # gradients are, on the device; their buffers are made on the CPU here, some unseen.
+        engine = phase() == "backward" and _issued_by_torch()
+        if engine:
+            if from_device and _syncs(func, args, kwargs):
+                self.note("syncs", func.__name__)
+        elif func in _COPIES:
+            self._copy(func, args, kwargs, target)
+        elif from_device:
+            if _syncs(func, args, kwargs):
+                self.note("syncs", func.__name__)
+            host = [t for t, dev in zip(tensors, on_device, strict=True) if not dev and t.dim()]
+            if host and func not in _BODIES:  # (the ``vitbal`` ops' routing is a host tensor)
+                self.note("mixed", f"{func.__name__} with a host tensor of {tuple(host[0].shape)}")
         body = _BODIES.get(func)
         if body is not None:  # its own body, followed op by op: its outputs are marked already
             with self:
                 return body(*args, **kwargs)
         out = func(*args, **kwargs)
-        if not from_device:
+        made_here = target == DEVICE or engine
+        if not (made_here or (from_device and (target is None or target == DEVICE))):
             return out
-        if func is aten.copy_.default and not self.on_device(args[0]):  # device -> host
-            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-            self.note("syncs" if blocking else "copies", "device-to-host copy")
+        if func is aten.copy_.default and not (engine or self.on_device(args[0])):  # host
             return out
         written = [
             a for a, spec in zip(args, func._schema.arguments, strict=False) if _writes(spec)
@@ -117,6 +166,24 @@ class _Simulation(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self.on_accelerator(t)
         return out
+
+    def _copy(self, func, args, kwargs, target) -> None:
+        """Record a copy between the host and the device (``_to_copy`` or ``copy_``)."""
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            to_device, to_host = self.on_device(dst), self.on_device(src)
+            if to_device == to_host:
+                return
+        else:
+            blocking = not kwargs.get("non_blocking", False)
+            src_on_device = self.on_device(args[0])
+            to_device = not src_on_device and target == DEVICE
+            to_host = src_on_device and target is not None and target != DEVICE
+            if not (to_device or to_host):
+                return
+        what = "host-to-device copy" if to_device else "device-to-host copy"
+        self.note("syncs" if blocking else "copies", what)
 
 
 def _key(tensor: torch.Tensor) -> object:
@@ -127,8 +194,11 @@ def _key(tensor: torch.Tensor) -> object:
 def _syncs(func, args, kwargs) -> bool:
     if func in _SYNC_OPS:
         return True
-    if func.overloadpacket is aten.repeat_interleave:
-        return kwargs.get("output_size") is None
+    if func.overloadpacket is aten.repeat_interleave and func is not _REPEAT_BY_INT:
+        return kwargs.get("output_size") is None  # repeats in a tensor: their sum sizes it
+    if func in _INDEX_OPS:  # a boolean mask: its True count sizes the result
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
     return False
 
 
@@ -136,9 +206,20 @@ def _writes(spec) -> bool:
     return spec.alias_info is not None and spec.alias_info.is_write
 
 
-def _library_caller(within: str = "") -> str | None:
-    """``file:line`` of the first frame outside torch, this module and the library file
-    ``within``, if it is the library's (the reference ViT in ``tools/models.py`` is user code)."""
+def _issued_by_torch() -> bool:
+    """Whether the op being dispatched comes from torch itself with no Python code of anyone's
+    between (the autograd engine running a C++ formula), not from Python code (a custom op's
+    backward, the library's or the model's own)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame is None or frame.f_code.co_filename.startswith(_TORCH)
+
+
+def _caller(within: str = "") -> tuple[str, str]:
+    """``(who, "file:line")`` of the first frame outside torch, this module and the file
+    ``within``: who is ``library`` for fx_vitbal's own code (not the reference models in
+    ``fx_vitbal/tools``), else ``model``."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
@@ -147,81 +228,135 @@ def _library_caller(within: str = "") -> str | None:
             break
         frame = frame.f_back
     if frame is None:
-        return None
+        return "model", "torch"
     name = frame.f_code.co_filename
-    if not name.startswith(_LIBRARY) or name.endswith("models.py"):
-        return None
-    return f"{os.path.basename(name)}:{frame.f_lineno}"
+    library = name.startswith(_LIBRARY) and not name.startswith(_TOOLS)
+    return ("library" if library else "model"), f"{os.path.basename(name)}:{frame.f_lineno}"
 
 
-def _reading(simulation: _Simulation, name: str, original):
-    """``torch.Tensor.<name>``, recording a host read of a device tensor."""
-
-    def method(self, *args, **kwargs):
-        to_host = name != "to" or any(
-            str(t) == "cpu" or getattr(t, "type", None) == "cpu"
-            for t in (*args, kwargs.get("device"))
-        )
-        if to_host and simulation.on_device(self):
-            simulation.note("syncs", f".{name}()")
-        return original(self, *args, **kwargs)
-
-    return method
+def _device_of(value) -> torch.device | None:
+    """The device a ``.to()`` argument names (a device, its name, or a tensor's), else None."""
+    if isinstance(value, torch.Tensor):
+        return value.device  # the patched property: the simulated device for device tensors
+    if isinstance(value, (str, torch.device)):
+        try:
+            return torch.device(value)
+        except RuntimeError:  # a dtype's name, say
+            return None
+    return None
 
 
 @contextlib.contextmanager
-def simulated_accelerator(compiled: bool = False):
-    """Yield the simulation: ``.record`` (``syncs``, ``waits``, ``collectives``, ``copies``) for
-    what runs inside, ``.on_accelerator(tensor)`` to place a test's input on the device.
+def simulated_accelerator(compiled: bool = False, gloo: bool = False):
+    """Yield the simulation: ``.record`` (module doc) for what runs inside, ``on_accelerator``
+    and ``place`` to put a test's inputs and modules on the device.
 
     ``compiled``: the step runs graphs compiled beforehand. Dynamo runs a compiled frame eagerly
     while a ``TorchDispatchMode`` is active, so then the mode follows only the ``vitbal`` ops'
     bodies, entered from their kernels: all of the library a compiled graph runs (the
-    Python-level reads are counted either way).
+    Python-level reads are counted either way). ``gloo``: the group also has a CPU backend.
     """
     simulation = _Simulation()
     record = simulation.record
-    patched = [
-        (transfer, "on_host"),
-        (transfer, "to_device"),
-        (transfer, "queues_copies"),
-        (transfer, "copy_event"),
-        (transfer, "wait"),
-        (collectives, "gathers_on_host"),
-        (collectives, "meta_device"),
-        (collectives, "all_gather"),
-        (collectives, "all_to_all"),
-    ] + [(torch.Tensor, name) for name in _READS]
-    saved = [getattr(owner, name) for owner, name in patched]
-    to_device, all_gather, all_to_all = (
-        transfer.to_device,
-        collectives.all_gather,
-        collectives.all_to_all,
-    )
+    all_gather, all_to_all = collectives.all_gather, collectives.all_to_all
+    tensor, as_tensor = torch.tensor, torch.as_tensor
+    methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "to")}
+    new_tensor = torch.Tensor.new_tensor
 
     def gather(output, input, group):
         record["collectives"].append((phase(), "all_gather"))
         all_gather(output, input, group)
-        simulation.on_accelerator(output)  # gathered "on the device"
+        if not gloo:
+            simulation.on_accelerator(output)  # gathered "on the device"
 
     def exchange(output, input, output_splits, input_splits, group):
         record["collectives"].append((phase(), "all_to_all"))
         all_to_all(output, input, output_splits, input_splits, group)
         simulation.on_accelerator(output)
 
-    transfer.on_host = lambda t: not simulation.on_device(t)
-    transfer.to_device = lambda values, device: simulation.on_accelerator(
-        to_device(values, device).clone()  # a copy of its own: the host tensor stays host
-    )
-    transfer.queues_copies = lambda device: True
-    transfer.copy_event = lambda device: _Event()
-    # Counted where the library asks for the values (``HostCopy.values``'s caller).
-    transfer.wait = lambda event: simulation.note("waits", "event wait", within="transfer.py")
-    collectives.gathers_on_host = lambda group: False
-    collectives.meta_device = lambda group, like: like  # the data's device
-    collectives.all_gather, collectives.all_to_all = gather, exchange
-    for name in _READS:
-        setattr(torch.Tensor, name, _reading(simulation, name, getattr(torch.Tensor, name)))
+    def device(self):
+        return DEVICE if simulation.on_device(self) else _DEVICE_PROPERTY.__get__(self)
+
+    def read(name):
+        def method(self, *args, **kwargs):
+            if simulation.on_device(self):
+                simulation.note("syncs", f".{name}()")
+            return methods[name](self, *args, **kwargs)
+
+        return method
+
+    def to(self, *args, **kwargs):
+        targets = [_device_of(a) for a in (*args, kwargs.get("device"))]
+        host = next((d for d in targets if d is not None), None) == torch.device("cpu")
+        seen = len(record["syncs"]) + len(record["model_syncs"])
+        out = methods["to"](self, *args, **kwargs)
+        # To the host from a device tensor: the dispatcher sees no copy (it is on the CPU).
+        if (
+            host
+            and simulation.on_device(self)
+            and seen == len(record["syncs"]) + len(record["model_syncs"])
+        ):
+            blocking = not kwargs.get("non_blocking", False)
+            simulation.note("syncs" if blocking else "copies", "device-to-host copy (.to)")
+        return out
+
+    def built(make):
+        def build(data, *args, **kwargs):
+            leaves = [x for x in pytree.tree_leaves(data) if isinstance(x, torch.Tensor)]
+            if any(simulation.on_device(x) for x in leaves):
+                simulation.note("syncs", f"torch.{make.__name__} of device values")
+            out = make(data, *args, **kwargs)
+            if _device_of(kwargs.get("device")) == DEVICE:
+                simulation.note("syncs", f"host-to-device copy (torch.{make.__name__})")
+                simulation.on_accelerator(out)
+            return out
+
+        return build
+
+    def new_from(self, data, *args, **kwargs):
+        out = new_tensor(self, data, *args, **kwargs)
+        if _device_of(kwargs.get("device")) == DEVICE or (
+            "device" not in kwargs and simulation.on_device(self)
+        ):
+            simulation.note("syncs", "host-to-device copy (new_tensor)")
+            simulation.on_accelerator(out)
+        return out
+
+    def waiting(what):
+        return lambda *args, **kwargs: simulation.note("waits", what)
+
+    patches = {
+        (transfer, "on_host"): lambda t: not simulation.on_device(t),
+        (transfer, "to_device"): lambda values, device: (
+            # A copy of its own: the host tensor stays on the host.
+            simulation.on_accelerator(values.clone()) if device == DEVICE else values
+        ),
+        (transfer, "queues_copies"): lambda device: True,
+        (transfer, "copy_event"): lambda device: _Event(),
+        # Counted where the library asks for the values (``HostCopy.values``'s caller).
+        (transfer, "wait"): lambda event: simulation.note("waits", "event wait", "transfer.py"),
+        (collectives, "gathers_on_host"): lambda group: gloo,
+        (collectives, "meta_device"): lambda group, like: torch.device("cpu") if gloo else like,
+        (collectives, "exchange_device"): lambda group: DEVICE,
+        (collectives, "all_gather"): gather,
+        (collectives, "all_to_all"): exchange,
+        (torch.Tensor, "device"): property(device),
+        (torch.Tensor, "tolist"): read("tolist"),
+        (torch.Tensor, "numpy"): read("numpy"),
+        (torch.Tensor, "cpu"): read("cpu"),
+        (torch.Tensor, "to"): to,
+        (torch.Tensor, "new_tensor"): new_from,
+        (torch, "tensor"): built(tensor),
+        (torch, "as_tensor"): built(as_tensor),
+        (torch.cuda, "synchronize"): waiting("torch.cuda.synchronize"),
+        (torch.cuda.Event, "synchronize"): waiting("event synchronize"),
+        (torch.cuda.Stream, "synchronize"): waiting("stream synchronize"),
+    }
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
+        patches[(torch.accelerator, "synchronize")] = waiting("torch.accelerator.synchronize")
+    saved = {key: vars(key[0]).get(key[1], getattr(key[0], key[1])) for key in patches}
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
     kernels = {op: op._backend_fns[None] for op in (planning.plan, ops.redistribute, ops.restore)}
     if compiled:
         for op, kernel in kernels.items():
@@ -230,16 +365,24 @@ def simulated_accelerator(compiled: bool = False):
         with contextlib.nullcontext() if compiled else simulation:
             yield simulation
     finally:
-        for (owner, name), original in zip(patched, saved, strict=True):
-            setattr(owner, name, original)
+        for (owner, name), original in saved.items():
+            if owner is torch.Tensor and name == "device":
+                delattr(torch.Tensor, "device")  # the C property shows through again
+            else:
+                setattr(owner, name, original)
         for op, kernel in kernels.items():
             op._backend_fns[None] = kernel
 
 
 def _followed(simulation: _Simulation, kernel):
-    """A custom op's kernel that runs under ``simulation``."""
+    """A custom op's kernel that runs under ``simulation``. The tensors a compiled graph hands
+    it are on the device (the graph ran from device inputs, unfollowed), but for the routing,
+    which the library keeps on the host by design."""
 
     def run(*args, **kwargs):
+        for tensor in pytree.tree_leaves(args[0]):
+            if isinstance(tensor, torch.Tensor):
+                simulation.on_accelerator(tensor)
         with simulation:
             return kernel(*args, **kwargs)
 

@@ -112,10 +112,10 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     size_1 = pixel_values.size(0);  pixel_values = None
     home_rows = fx_vitbal_runtime_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
     no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_13])
-    restore_default = torch.ops.vitbal.restore.default([getitem_13], getitem_11, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_13 = getitem_11 = output_block_rows = home_rows = no_backward_will_come = None
+    restore_default = torch.ops.vitbal.restore.default([getitem_13], getitem_11, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_13 = output_block_rows = home_rows = no_backward_will_come = None
     getitem_14 = restore_default[0];  restore_default = None
     visual_2 = self.visual
-    regenerate_window_index = fx_vitbal_runtime_vits_regenerate_window_index(visual_2, image_grid_thw);  visual_2 = image_grid_thw = None
+    regenerate_window_index = fx_vitbal_runtime_vits_regenerate_window_index(visual_2, image_grid_thw, getitem_11);  visual_2 = image_grid_thw = getitem_11 = None
     argsort = torch.argsort(regenerate_window_index);  regenerate_window_index = None
     unflatten = getitem_14.unflatten(0, (-1, 4));  getitem_14 = None
     getitem_2 = unflatten[argsort];  unflatten = argsort = None

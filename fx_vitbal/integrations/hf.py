@@ -30,6 +30,7 @@ rejects ``output_hidden_states`` / ``output_attentions``. Precomputed per-batch 
 tower recomputes them from its grid.
 """
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -56,6 +57,7 @@ from fx_vitbal.integrations.hf_towers import (
     known_tower_names,
     refuse_parents,
 )
+from fx_vitbal.runtime import collectives
 from fx_vitbal.runtime.call import run_balanced
 from fx_vitbal.runtime.metadata import PROBLEMS, describe_problem
 from fx_vitbal.runtime.settings import active_group, layout_token, planner_spec_for
@@ -125,7 +127,10 @@ def enable_hf_vit_balance(
     refuse_parents(model)
     tower = tower if tower is not None else _find_tower(model)
     rule = _rule_of(tower)
-    planner = planner_spec_for(config, architecture_cost(tower), rule.frames_independent)
+    # A tower fed one frame per grid row gets its videos as frames from the plan's units (no
+    # host read of the grid), so its frames are always planned as units.
+    planned = dataclasses.replace(config, split_frames=True) if rule.one_frame_rows else config
+    planner = planner_spec_for(planned, architecture_cost(tower), rule.frames_independent)
     merge = rule.merge_size(tower)
     tower._vitbal_hf = _Balance(config, group, replica_group, planner, rule, merge)
     layout_token(tower)  # made now, so graphs traced later read it as a constant
@@ -224,7 +229,7 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     if problem:  # only the plan runs: the tower never sees these pixels
         rows = rows.new_empty(0, *rows.shape[1:])
         grid_thw = torch.zeros(0, 3, dtype=torch.long, device=rows.device)
-    outputs, out = run_balanced(
+    outputs, out, _ = run_balanced(
         run, rows, grid_thw, merge, planner, dist_info, module=tower, problem=problem
     )
     if problem:  # (compiled: the plan's empty output keeps the op in the graph)
@@ -261,8 +266,9 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     problem = 0  # raised on every rank by the tower call's plan, never here alone
     if kwargs.get("mm_encoder_outputs") is not None:
         problem = PROBLEMS["mm_encoder_outputs"]
-    parts = _tower_parts(tower, rule, kwargs)
-    pixels, grid, mixed = _tower_batch(tower, parts)
+    parts = _tower_parts(tower, rule, kwargs, one_frame_rows=not active)
+    device = tower.device if not active else collectives.exchange_device(tower._vitbal_hf.group)
+    pixels, grid, mixed = _tower_batch(tower, parts, device)
     problem = problem or mixed
     if problem and not active:  # no collective to keep: this rank alone raises
         raise ValueError(f"vit dp balance: {describe_problem(problem)}")
@@ -285,30 +291,34 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     return (), {**kwargs, "mm_encoder_outputs": features}
 
 
-def _tower_parts(tower, rule: HFTowerRule, kwargs: dict) -> list[tuple]:
+def _tower_parts(tower, rule: HFTowerRule, kwargs: dict, one_frame_rows: bool) -> list[tuple]:
     """``(modality, pixels, grid as given, grid as fed to the tower)`` of each modality present,
-    popped from ``kwargs``, pixels in the tower's dtype."""
+    popped from ``kwargs``, pixels in the tower's dtype. ``one_frame_rows``: videos as one grid
+    row per frame where the rule says the tower needs it (a host read of a device grid); a
+    balanced call gets its frames from the plan's units instead."""
     parts = []
     for modality, pixel_key, grid_key in _MODALITIES:
         if kwargs.get(pixel_key) is not None:
             grid = kwargs[grid_key]
-            split = rule.one_frame_rows and modality == "video" and _is_integer_grid(grid)
+            split = one_frame_rows and rule.one_frame_rows and modality == "video"
+            split = split and _is_integer_grid(grid)
             fed = _one_frame_rows(grid) if split else grid
             parts.append((modality, kwargs.pop(pixel_key).type(tower.dtype), grid, fed))
     return parts
 
 
-def _tower_batch(tower, parts: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _tower_batch(tower, parts: list[tuple], device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The one tower call's ``(pixels, grid, problem)``: the parts joined (images, then videos),
-    or an empty batch with a problem code when their row widths differ, or none is present."""
+    or an empty batch on ``device`` with a problem code when their row widths differ, or none
+    is present."""
     problem = PROBLEMS["modalities_differ"] if len({p[1].shape[1:] for p in parts}) > 1 else 0
     if parts and not problem:
         pixels = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         grid = torch.cat([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
         return pixels, grid, 0
     width = tower._vitbal_hf.rule.pixel_width(tower.config)
-    pixels = torch.zeros(0, width, dtype=tower.dtype, device=tower.device)
-    return pixels, torch.zeros(0, 3, dtype=torch.long, device=tower.device), problem
+    pixels = torch.zeros(0, width, dtype=tower.dtype, device=device)
+    return pixels, torch.zeros(0, 3, dtype=torch.long, device=device), problem
 
 
 def plan_input(module, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
@@ -326,7 +336,8 @@ def plan_input(module, pixel_values, image_grid_thw, pixel_values_videos, video_
         "pixel_values_videos": pixel_values_videos,
         "video_grid_thw": video_grid_thw,
     }
-    pixels, grid, problem = _tower_batch(tower, _tower_parts(tower, tower._vitbal_hf.rule, batch))
+    parts = _tower_parts(tower, tower._vitbal_hf.rule, batch, one_frame_rows=False)
+    pixels, grid, problem = _tower_batch(tower, parts, torch.device("cpu"))
     if problem:
         raise ValueError(f"vit dp balance: {describe_problem(problem)}")
     return pixels, grid

@@ -103,7 +103,7 @@ def apply_vit_balance_pass(
         check_now = no_backward_will_come([vis[0], vis[2][0]])  # restore reads its status
         embeds, deep0 = vitbal.restore([vis[0], vis[2][0]], routing, area, layouts, rows, group,
                                        True, check_now)
-        window = regenerate_window_index(visual, image_grid_thw)
+        window = regenerate_window_index(visual, image_grid_thw, routing)  # host grid copy
 
     Only the deepstack items the graph reads are moved back; ``layouts`` reads each output's row
     layout (pre-merger or merged) when the graph runs or is traced. A ViT balanced in place by
@@ -227,7 +227,7 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
         }
         if (1,) in uses:
             vit = graph.get_attr(node.target)
-            new[(1,)] = graph.call_function(regenerate_window_index, (vit, grid))
+            new[(1,)] = graph.call_function(regenerate_window_index, (vit, grid, routing))
     for key, replacement in new.items():
         for old in uses.get(key, []):
             old.replace_all_uses_with(replacement)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fx_vitbal.measure import clock as step_clock
-from fx_vitbal.runtime import ops, planning, transfer
+from fx_vitbal.runtime import collectives, ops, planning, transfer
 from fx_vitbal.runtime.metadata import PROBLEMS
 from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.settings import layout_token
@@ -31,13 +31,16 @@ def run_balanced(
     every eager and in-place path (and of compiled wrappers, which trace it).
 
     ``run`` returns ``(outputs, extra)``: the embeddings to move home (pre-merger or merged
-    layout each) and anything else, passed back untouched. Returns ``(restored outputs, extra)``.
+    layout each) and anything else, passed back untouched. Returns ``(restored outputs, extra,
+    routing)``: the routing tensor carries the host copy of this rank's grid that the plan
+    holds (``vits.regenerate_window_index`` reads it).
     An empty ``[0, 0]`` ``pixel_values`` (what ``None`` becomes) receives rows in the other
     ranks' layout.
 
     Every decision below comes from the gathered metadata, so all ranks take the same branch:
-    - a skipped plan runs ``run`` on the local batch with no copy, except on a rank with no
-      image, which goes through the ops so its ViT computes the dummy unit, never zero rows;
+    - a skipped plan runs ``run`` on the local batch with no copy (its units as the plan lists
+      them: frames split where the ViT allows), except on a rank with no image, which goes
+      through the ops so its ViT computes the dummy unit, never zero rows;
     - when no rank has an image, every rank runs the dummy unit to learn the outputs' widths and
       returns them empty, or returns ``(None, extra)`` if no rank passed a pixel tensor at all.
       It runs under ``no_grad`` (the ViT's parameters get no gradient, as when a parent skips
@@ -79,14 +82,14 @@ def run_balanced(
     # a plan made ahead (no gather), the rank's batch counts as not planned instead: it takes
     # part in the exchange, and every rank raises in restore (``runtime.handover``).
     if problem and (compiling or not Routing.of(routing).mismatched):
-        return None, grid[:0]
+        return None, grid[:0], routing
     if not compiling:
         route = Routing.of(routing)
         run = _timed(run, getattr(routing, "_vitbal_clock", None), module)
         if not route.any_units:
-            return _without_images(run, pixel_values, route, area, grad_without_images)
+            return (*_without_images(run, pixel_values, route, area, grad_without_images), routing)
         if not route.applied and pixel_values.shape[0]:
-            return run(pixel_values, image_grid_thw)  # skipped on every rank: no copies at all
+            return (*run(pixel_values, grid), routing)  # skipped on every rank: no copies at all
         pixel_values = _taking_part(pixel_values, route)
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
     outputs, extra = run(pixels, grid)
@@ -94,7 +97,7 @@ def run_balanced(
     rows = ops.home_rows(layouts, pixel_values.shape[0], area)
     check_now = ops.no_backward_will_come(outputs)
     restored = ops.restore(outputs, routing, area, layouts, rows, group_name, True, check_now)
-    return restored, extra
+    return restored, extra, routing
 
 
 def _timed(run, clock, module):
@@ -135,20 +138,28 @@ def _without_images(run, pixel_values, route, area, grad):
     return [o[:0] for o in outputs], extra
 
 
-def stand_in_pixels(vit: nn.Module) -> tuple[torch.Tensor, int]:
+def stand_in_pixels(vit: nn.Module, group_name: str) -> tuple[torch.Tensor, int]:
     """Empty pixels for a rank that passed None, and a ``metadata.PROBLEMS`` code (0: none).
 
-    Eagerly they have no width: the plan tells the rank the others' (``_taking_part``). A
-    compiled graph fixes its shapes when traced, so there the width must be known then: the
-    registered ``pixel_width`` (``VisionEncoderSpec``), with the ViT's parameter dtype. Without
-    one, every rank raises (the stand-in only carries the problem code to the plan).
+    They live where the group's exchanges run (``collectives.exchange_device``), not where the
+    ViT's parameters are: under CPU offload those are on the host, and a host tensor in an NCCL
+    exchange fails on this rank alone while the others wait. Eagerly they have no width: the
+    plan tells the rank the others' (``_taking_part``). A compiled graph fixes its shapes when
+    traced, so there the width must be known then: the registered ``pixel_width``
+    (``VisionEncoderSpec``), with the ViT's parameter dtype. Without one, every rank raises
+    (the stand-in only carries the problem code to the plan).
     """
-    params = list(vit.parameters())
-    device = params[0].device if params else torch.device("cpu")
+    device = _exchange_device(group_name)
     if not torch.compiler.is_compiling():
         return torch.empty(0, 0, device=device), 0
+    params = list(vit.parameters())
     pixel_width = vision_encoder_spec(vit).pixel_width
     dtype = params[0].dtype if params else torch.float32
     if pixel_width is None:
         return torch.empty(0, 0, dtype=dtype, device=device), PROBLEMS["compiled_without_pixels"]
     return torch.empty(0, pixel_width(unwrap_module(vit)), dtype=dtype, device=device), 0
+
+
+@torch.compiler.assume_constant_result
+def _exchange_device(group_name: str) -> torch.device:
+    return collectives.exchange_device(collectives.resolve_group(group_name))

@@ -5,10 +5,15 @@ One seam, so tests can record the sequence each rank issues (it must be the same
 rank, step after step, whatever each rank holds) and count the collectives of a step.
 """
 
+import functools
+import logging
+
 import torch
 import torch.distributed as dist
 
 from fx_vitbal import _compat
+
+log = logging.getLogger(__name__)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -46,24 +51,57 @@ def gathers_on_host(group: dist.ProcessGroup) -> bool:
 
 def meta_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
     """Where metadata is gathered: the CPU when the group has a CPU backend (gloo: reading the
-    result syncs no device), else the device of the data (``like``), else the device the group
-    is bound to, else the current accelerator (else the CPU, if the backend serves it). Never a
-    hard-coded ``cuda``."""
+    result syncs no device), else the device of the data (``like``), else ``exchange_device``'s.
+    Never a hard-coded ``cuda``."""
     if gathers_on_host(group):
         return torch.device("cpu")
     if like.type != "cpu":
         return like
+    return exchange_device(group)
+
+
+def exchange_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device a rank's exchanges on ``group`` (default WORLD) run on when no tensor of its
+    own says (a rank without images; pixels still on the host): the device the group is bound
+    to; else, unless the group is gloo alone (host tensors only), the current accelerator's
+    (``_current_device``); else the CPU, if the backend serves it."""
+    group = group or dist.group.WORLD
     bound = getattr(group, "bound_device_id", None)
     if bound is not None:
         return bound
+    backend = str(dist.get_backend(group))
     # A CUDA build on a machine without a GPU still names CUDA: only a usable one counts.
     accelerator = (
         torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     )
-    if accelerator is None:
-        # A backend that also serves the CPU, on a machine without an accelerator (torch's
-        # threaded test process group, say): the data's CPU.
-        if "cpu" in dist.Backend.backend_capability.get(str(dist.get_backend(group)), ()):
-            return like
-        raise ValueError(f"group {group.group_name!r} has no CPU backend and no device was found")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    if accelerator is not None and backend != "gloo":
+        return _current_device(accelerator.type)
+    if backend == "gloo" or "cpu" in dist.Backend.backend_capability.get(backend, ()):
+        return torch.device("cpu")
+    raise ValueError(f"group {group.group_name!r} has no CPU backend and no device was found")
+
+
+def _current_device(kind: str) -> torch.device:
+    """The current accelerator device, or, where nothing chose one yet (the accelerator is not
+    initialised: every rank would name device 0), the one torch's ``DeviceMesh`` and NCCL pick
+    then: global rank modulo the devices on the host (homogeneous hosts), with a warning."""
+    module = torch.get_device_module(kind)
+    initialised = getattr(module, "is_initialized", lambda: True)()
+    if initialised:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    index = dist.get_rank() % max(1, torch.accelerator.device_count())
+    _warn_device_not_set(kind, index)
+    return torch.device(kind, index)
+
+
+@functools.cache
+def _warn_device_not_set(kind: str, index: int) -> None:
+    log.warning(
+        "vit dp balance: no %s device was selected for this process (call torch.%s.set_device "
+        "before the first step, or pass device_id to init_process_group); balancing uses "
+        "%s:%d, global rank modulo the devices on the host, as torch's DeviceMesh does",
+        kind,
+        kind,
+        kind,
+        index,
+    )

@@ -58,11 +58,12 @@ class PlannedBatch:
     the step must name the same."""
 
 
-def batch_key(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> BatchKey:
+def batch_key(pixel_values: torch.Tensor, grid_rows: list[list[int]]) -> BatchKey:
     """What a step compares with the planned batch: pixel shape, dtype, ``requires_grad`` and
-    grid values (read here, ahead of the step; the step compares a device grid on the device)."""
+    grid values (``grid_rows``: as the plan gathered them, on the host; the step compares a
+    device grid on the device)."""
     shape = tuple(pixel_values.shape)
-    return shape, pixel_values.dtype, pixel_values.requires_grad, image_grid_thw.tolist()
+    return shape, pixel_values.dtype, pixel_values.requires_grad, grid_rows
 
 
 # Plans waiting for their ViT's next call, by (layout token, global rank): ranks that are
@@ -124,7 +125,7 @@ def step_outputs(
                 "ahead; the plan moves nothing, so this rank runs its ViT on its own batch",
                 dist.get_rank(group),
             )
-        return local_outputs(  # with the pixel layout the ranks agreed on, for a dummy unit
+        local_grid, routing = local_outputs(  # with the pixel layout the ranks agreed on
             pixel_values,
             grid_thw,
             settings[1],
@@ -133,6 +134,11 @@ def step_outputs(
             row_numel=route.row_numel,
             dtype_code=route.dtype_code,
         )
+        if not same:
+            return local_grid, routing
+        # As planned: its units (frames split where they may be), and the grid's host copy.
+        routing._vitbal_home_grid = planned.batch[3]
+        return transfer.to_device(planned.grid, grid_thw.device).to(grid_thw.dtype), routing
     grid = transfer.to_device(planned.grid, grid_thw.device).to(grid_thw.dtype)
     mismatched = not same
     if same and transfer.on_host(grid_thw):
@@ -145,9 +151,13 @@ def step_outputs(
     units = max(max_units, len(route.unit_rows))  # only a batch that differs needs more
     size = routing_size(units, len(step_ranks), route.replicated)
     if not mismatched and planned.routing.numel() == size:
-        return grid, planned.routing  # as planned: with its clock (``measure.clock``)
+        # As planned: with its clock (``measure.clock``) and the grid's host copy.
+        planned.routing._vitbal_home_grid = planned.batch[3]
+        return grid, planned.routing
     routing = route.repacked(planned.routing, mismatched=mismatched, max_units=units)
     routing._vitbal_clock = getattr(planned.routing, "_vitbal_clock", None)
+    if not mismatched:
+        routing._vitbal_home_grid = planned.batch[3]
     return grid, routing
 
 

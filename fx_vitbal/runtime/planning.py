@@ -101,7 +101,7 @@ def plan(
         grad_fixed,
         tuple(replicas or ()),
     )
-    return grid, routing
+    return transfer.to_device(grid, grid_thw.device), routing
 
 
 def solve_for_rank(
@@ -118,7 +118,8 @@ def solve_for_rank(
     check_pixels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
-    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``.
+    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``, the
+    grid on the host (the op copies it to the device).
     ``device_type``: where the step's ViT runs, for its autocast state (default: the pixels'
     device); ``check_pixels``: as ``gather_grids`` takes it."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -172,14 +173,13 @@ def solve_for_rank(
         layout_key=key,
         check_layouts=gathered.check_layouts,
     )
+    # A plan not applied keeps every unit home: the local units (frames split where they may
+    # be), which a tower fed one frame per grid row needs; or the dummy unit.
     rows = rows or balanced_grid(solved, units_R, rank, merge_size)
-    if not route.applied:  # the original batch (as gathered: no device read), or the dummy
-        rows = gathered.grids_R[rank] or rows
-    grid = transfer.to_device(
-        torch.tensor(rows, dtype=grid_thw.dtype, device="cpu"), grid_thw.device
-    )
+    grid = torch.tensor(rows, dtype=grid_thw.dtype, device="cpu")
     routing = route.to_tensor(max_units(pixel_values.shape[0], merge_size))
     routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
+    routing._vitbal_home_grid = gathered.grids_R[rank]  # ``vits.regenerate_window_index``
     defer(call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model))
     if not route.applied:  # nothing moves: the gather was the call's last collective
         publish(call_id)

@@ -43,10 +43,8 @@ def pixel_checksum(pixel_values: torch.Tensor) -> torch.Tensor:
     sums are exact in any order. Values, not bits: ``-0.0`` counts as ``0.0`` (adding ``0.0``
     turns it into ``+0.0``); a NaN still compares by its bits."""
     x = pixel_values.detach()
-    if x.dim() < 2 or not x.numel():
-        present = torch.zeros(CHECKSUM_FIELDS, dtype=torch.int64, device=x.device)
-        present[0] = 1
-        return present
+    if x.dim() < 2 or not x.numel():  # made where the pixels are: no copy, no wait
+        return (torch.arange(CHECKSUM_FIELDS, device=x.device) == 0).to(torch.int64)
     bits = torch.int16 if x.element_size() == 2 else torch.int32  # float64: two words a value
     per_row = (x.reshape(x.shape[0], -1) + 0.0).view(bits).sum(1, dtype=torch.int64)
     weights = torch.arange(1, x.shape[0] + 1, dtype=torch.int64, device=x.device)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fx_vitbal.cost.static import ArchitectureCost
+from fx_vitbal.runtime import transfer
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +188,21 @@ def plain_forward(vit: nn.Module) -> Callable:
     return getattr(vit, "_vitbal_original_forward", vit)
 
 
-def regenerate_window_index(vit: nn.Module, grid_thw: torch.Tensor) -> torch.Tensor:
-    """``vit.get_window_index(grid)`` as a tensor (some ViTs return ``(index, cu_seqlens)``)."""
+def regenerate_window_index(
+    vit: nn.Module, grid_thw: torch.Tensor, routing: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``vit.get_window_index(grid)`` as a tensor (some ViTs return ``(index, cu_seqlens)``).
+
+    ``routing``: the call's plan (``vitbal::plan``'s routing tensor), which holds a host copy of
+    this rank's grid when the plan was made eagerly: the index is then made from it and copied
+    to the grid's device without waiting, since towers read their grid on the host (a device
+    grid would cost a host sync every step)."""
+    host_rows = getattr(routing, "_vitbal_home_grid", None)
+    if host_rows is not None:
+        host = torch.tensor(host_rows, dtype=grid_thw.dtype, device="cpu").view(-1, 3)
+        index = unwrap_module(vit).get_window_index(host)
+        index = index[0] if isinstance(index, tuple) else index
+        return transfer.to_device(index, grid_thw.device)
     index = unwrap_module(vit).get_window_index(grid_thw)
     return index[0] if isinstance(index, tuple) else index
 
