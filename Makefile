@@ -1,6 +1,6 @@
 # Every target sets itself up on a fresh machine: a local virtual environment with that torch.
 # `make test TORCH=2.8.0` runs the suite on another torch (its own .venv-torch2.8.0; wheels other
-# than the default come from the registry).
+# than the default come from the registry); `PYTEST_ARGS=...` passes options to pytest.
 PYTHON ?= python3
 TORCH ?= 2.13.0
 # The transformers the suite is pinned to (tests/test_hf_families.py walks its VLM families);
@@ -34,7 +34,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/train_omni.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

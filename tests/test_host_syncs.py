@@ -12,7 +12,7 @@ from dist_utils import UNBACKED_BATCH_SIZES, fullgraph_capture, run_ranks
 
 import fx_vitbal
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.runtime.collectives import meta_device
+from fx_vitbal.runtime.collectives import exchange_device, meta_device
 from fx_vitbal.runtime.metadata import INLINE_GRID_ROWS
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
@@ -88,7 +88,8 @@ def _step(model, path: str, batch, simulation=None, replicas=None) -> None:
     if simulation is not None:
         pixels, grid = simulation.on_accelerator(pixels), simulation.on_accelerator(grid)
         input_ids = simulation.on_accelerator(input_ids)
-        simulation.place(model)
+        if path != "none":  # there: the parameters offloaded to the host (FSDP2 CPU offload)
+            simulation.place(model)
     if path == "compiled":
         torch._dynamo.decorators.mark_unbacked(pixels, 0)
         torch._dynamo.decorators.mark_unbacked(grid, 0)
@@ -222,11 +223,12 @@ def test_a_step_syncs_the_host_once_waits_once_and_issues_three_plus_two_collect
 
 @pytest.mark.parametrize("path", EXTRA_PATHS + HF_RUN)
 def test_every_other_way_in_costs_the_library_the_same(path, own_sets):
-    """A rank passing None, a windowed ViT (its window index regenerated from the plan's host
-    copy of the grid), online costs with a stats callback, bf16 pixels, a group that gathers on
-    the host (``cpu:gloo,cuda:nccl``) with the batch on the device, and Hugging Face VLMs
-    (images and a video; the parent's feature code replayed): one read, one wait, the same
-    collectives, no host tensor in a device op."""
+    """A rank passing None while the ViT's parameters are offloaded to the host (its stand-in
+    pixels are made where the exchanges run, not beside the parameters), a windowed ViT (its
+    window index regenerated from the plan's host copy of the grid), online costs with a stats
+    callback, bf16 pixels, a group that gathers on the host (``cpu:gloo,cuda:nccl``) with the
+    batch on the device, and Hugging Face VLMs (images and a video; the parent's feature code
+    replayed): one read, one wait, the same collectives, no host tensor in a device op."""
     for rank, by_path in enumerate(own_sets):
         for step, record in enumerate(by_path[path]):
             _check_step(path, rank, step, record, first=step == 0)
@@ -349,3 +351,46 @@ def test_metadata_device_follows_the_backend_the_data_and_the_bound_device(monke
         meta_device(group, torch.device("cpu"))
     monkeypatch.setitem(dist.Backend.backend_capability, "custom", ["cpu", "cuda"])
     assert meta_device(group, torch.device("cpu")) == torch.device("cpu")  # it serves the CPU
+
+
+class _FakeCuda:
+    """A CUDA module whose device was (not) selected yet."""
+
+    def __init__(self, initialized: bool) -> None:
+        self.initialized = initialized
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+
+def test_exchanges_without_a_tensor_run_on_the_selected_device_or_rank_modulo_devices(
+    monkeypatch, caplog
+):
+    """Where a rank without images makes its stand-ins (and a host batch its metadata): the
+    group's bound device; gloo alone: the host; else the current device once one was selected,
+    and before that global rank modulo the devices on the host (as DeviceMesh and NCCL pick
+    it), with a warning, instead of device 0 on every rank."""
+    group = types.SimpleNamespace(group_name="g", bound_device_id=None)
+    backends = {"g": "nccl"}
+    cuda = _FakeCuda(initialized=False)
+    monkeypatch.setattr(dist, "get_backend", lambda g: backends[g.group_name])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 6)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: cuda)
+    with caplog.at_level("WARNING"):
+        assert exchange_device(group) == torch.device("cuda", 2)  # rank 6 of 4 per host
+    assert "no cuda device was selected" in caplog.text and "cuda:2" in caplog.text
+    cuda.initialized = True  # torch.cuda.set_device (or any use) selected one
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
+    assert exchange_device(group) == torch.device("cuda", 1)
+    assert meta_device(group, torch.device("cpu")) == torch.device("cuda", 1)
+    backends["g"] = "cpu:gloo,cuda:nccl"  # exchanges on the device, metadata on the host
+    assert exchange_device(group) == torch.device("cuda", 1)
+    assert meta_device(group, torch.device("cpu")) == torch.device("cpu")
+    backends["g"] = "gloo"  # host tensors only
+    assert exchange_device(group) == torch.device("cpu")
+    group.bound_device_id = torch.device("cuda", 3)
+    assert exchange_device(group) == torch.device("cuda", 3)
