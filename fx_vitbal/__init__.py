@@ -1,5 +1,6 @@
-"""fx_vitbal: move whole images between data-parallel ranks before the ViT so every rank does
-similar work, and move the outputs back so the rest of the model sees exactly what it would have.
+"""fx_vitbal: move images (frames; row bands of one huge frame) between data-parallel ranks before
+the ViT so every rank does similar work, and move the outputs back so the rest of the model sees
+exactly what it would have.
 """
 
 from fx_vitbal.ahead import PlannedBatch, plan_ahead, use_plan
@@ -11,7 +12,8 @@ from fx_vitbal.integrations.hf_towers import HFTowerRule, register_hf_tower
 from fx_vitbal.measure import BalanceStats, add_stats_callback
 from fx_vitbal.plan import Plan, solve_plan
 from fx_vitbal.runtime import ops, planning  # noqa: F401  (register the vitbal:: custom ops)
-from fx_vitbal.runtime.vits import VisionEncoderSpec, register_vision_encoder
+from fx_vitbal.runtime.bands import Bands, BandUnit
+from fx_vitbal.runtime.vits import BandSupport, VisionEncoderSpec, register_vision_encoder
 from fx_vitbal.tools.check import VisionEncoderReport, check_vision_encoder
 
 __all__ = [
@@ -31,6 +33,10 @@ __all__ = [
     "VisionEncoderSpec",
     "register_hf_tower",
     "HFTowerRule",
+    # row bands of one frame on several ranks (a ViT that runs them)
+    "BandSupport",
+    "Bands",
+    "BandUnit",
     # planning ahead, in the data pipeline
     "plan_ahead",
     "use_plan",

@@ -74,6 +74,18 @@ class BalanceConfig:
     split_frames: bool = True
     """Move single video frames when the ViT attends per frame (exact for Qwen-family towers)."""
 
+    split_images: bool = True
+    """Split a frame that would bind the step alone into row bands computed on several ranks
+    (``fx_vitbal.plan.bands``), when the tower can run bands (a split rule: the reference
+    ``QwenStyleViT``, the Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V towers, or a ViT registered
+    with ``bands=``) and the predicted makespan, with the bands' per-layer exchange, falls by
+    ``min_gain``. A ViT without a split rule is never split."""
+
+    min_band_patches: int = 1024
+    """No band has fewer patches: below a few thousand, per-layer collectives cost more than a
+    split saves on most interconnects (torchtitan measured images of 256-9,000 patches ~5% slower
+    split on NVLink); the cost model decides above it."""
+
     ranks_per_node: int | None = None
     """Data-parallel ranks per node, for node-aware planning (``fx_vitbal.plan.nodes``): moves stay
     inside a node where they can, and plans report the rows crossing nodes. Rank ``r`` of the
@@ -104,6 +116,13 @@ class BalanceConfig:
         _check(self.skip_rule in SKIP_RULES, "skip_rule", self.skip_rule, f"in {SKIP_RULES}")
         _check(self.when in WHEN, "when", self.when, f"in {WHEN}")
         _check(0 <= self.min_gain < 1, "min_gain", self.min_gain, "in [0, 1)")
+        mbp = self.min_band_patches
+        _check(
+            isinstance(mbp, int) and not isinstance(mbp, bool) and mbp >= 1,
+            "min_band_patches",
+            mbp,
+            "an int >= 1",
+        )
         rpn = self.ranks_per_node
         _check(
             rpn is None or (isinstance(rpn, int) and not isinstance(rpn, bool) and rpn >= 1),
@@ -165,6 +184,8 @@ class BalanceConfig:
             skip_rule=args.dp_balance_skip_rule_vit,
             min_gain=args.dp_balance_min_gain_vit,
             split_frames=args.dp_balance_split_frames_vit,
+            split_images=args.dp_balance_split_images_vit,
+            min_band_patches=args.dp_balance_min_band_patches_vit,
             ranks_per_node=ranks_per_node,
         )
 
@@ -262,6 +283,20 @@ def add_vit_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         action=argparse.BooleanOptionalAction,
         default=d.split_frames,
         help="move single video frames when the ViT attends per frame",
+    )
+    g.add_argument(
+        "--dp-balance-split-images-vit",
+        action=argparse.BooleanOptionalAction,
+        default=d.split_images,
+        help="split a frame that binds the step alone into row bands on several ranks, when "
+        "the tower can run them and it pays with their per-layer exchange",
+    )
+    g.add_argument(
+        "--dp-balance-min-band-patches-vit",
+        type=int,
+        default=d.min_band_patches,
+        metavar="N",
+        help="no band has fewer patches",
     )
     g.add_argument(
         "--dp-balance-ranks-per-node-vit",

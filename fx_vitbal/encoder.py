@@ -31,6 +31,7 @@ from fx_vitbal.runtime.vits import (
     regenerate_window_index,
     register_entry_point,
     unwrap_module,
+    vision_encoder_spec,
 )
 
 
@@ -147,12 +148,14 @@ def _balanced_call(
         pixel_values, problem = stand_in_pixels(vit, dist_info[0])
         image_grid_thw = torch.empty(0, 3, dtype=torch.long, device=pixel_values.device)
 
-    def run(pixels, grid):
-        embeds, window_index, deepstack = call(pixels, grid)
+    def run(pixels, grid, bands):
+        kwargs = {} if bands is None else {"vitbal_bands": bands}
+        embeds, window_index, deepstack = call(pixels, grid, **kwargs)
         return [embeds, *deepstack], window_index
 
+    runs_bands = not torch.compiler.is_compiling() and vision_encoder_spec(vit).bands is not None
     outputs, window_index, routing = run_balanced(
-        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, vit, problem
+        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, vit, problem, runs_bands
     )
     if outputs is None:  # no pixel tensor anywhere, or a problem every rank raises
         # (A compiled rank returns the plan's empty output: it keeps the op in the graph.)

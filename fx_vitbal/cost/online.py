@@ -54,19 +54,28 @@ PIVOT_TOLERANCE = 1e-12
 
 
 def unit_features(unit: Unit, per_frame: bool) -> tuple[float, float, float]:
-    """``(attention pairs, tokens, 1)`` of one unit ``(t, h, w)``."""
-    t, h, w = unit
-    pairs = t * (h * w) ** 2 if per_frame else (t * h * w) ** 2
-    return float(pairs), float(t * h * w), 1.0
+    """``(attention pairs, tokens, 1)`` of one unit ``(t, h, w)``, or of a band of a frame
+    (``fx_vitbal.plan.units.Band``, five fields: its ``h`` rows attend over the frame's
+    ``full_h``)."""
+    pairs, tokens = _pairs_and_tokens(unit, per_frame)
+    return float(pairs), float(tokens), 1.0
 
 
 def rank_features(units: Sequence[Unit], per_frame: bool) -> tuple[float, float, float, float]:
     """``(A, P, N, 1)`` of the units one rank computed in a step (exact integer sums)."""
     pairs = tokens = 0
-    for t, h, w in units:
-        pairs += t * (h * w) ** 2 if per_frame else (t * h * w) ** 2
-        tokens += t * h * w
+    for unit in units:
+        unit_pairs, unit_tokens = _pairs_and_tokens(unit, per_frame)
+        pairs += unit_pairs
+        tokens += unit_tokens
     return float(pairs), float(tokens), float(len(units)), 1.0
+
+
+def _pairs_and_tokens(unit: Unit, per_frame: bool) -> tuple[int, int]:
+    t, h, w = unit[:3]
+    if len(unit) == 5:  # a band: its queries over its frame's keys
+        return h * w * unit[3] * w, h * w
+    return (t * (h * w) ** 2 if per_frame else (t * h * w) ** 2), t * h * w
 
 
 def fit_nonnegative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...]:
@@ -265,8 +274,10 @@ class OnlineFit:
                 continue
             units = [tuple(u) for u in units_R[rank]]
             for u in units:
-                if u not in prior_memo:
-                    prior_memo[u] = self.settings.prior(*u)
+                if u not in prior_memo:  # a band: its rows' share of its frame's (plan.bands)
+                    t, h, w = u[:3]
+                    frame_h = u[3] if len(u) == 5 else h
+                    prior_memo[u] = self.settings.prior(t, frame_h, w) * h / frame_h
             prior = math.fsum(prior_memo[u] for u in units)
             step.append((rank_features(units, self.settings.per_frame), prior, seconds))
         self._steps.append(step)

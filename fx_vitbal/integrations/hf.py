@@ -218,7 +218,7 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     for name in PRECOMPUTED_KWARGS:
         kwargs.pop(name, None)
 
-    def run(rows, grid):
+    def run(rows, grid, bands):
         if rule.pixel_shape is not None:
             rows = rows.reshape(-1, *rule.pixel_shape(tower.config))
         fed = rows.unsqueeze(0) if rule.batched_pixels else rows

@@ -29,7 +29,7 @@ from fx_vitbal.cost.online import FittedCost, OnlineFit
 from fx_vitbal.cost.static import CostModel, OnlineCost
 from fx_vitbal.measure.clock import StepClock
 from fx_vitbal.measure.stats import BalanceStats, has_callbacks
-from fx_vitbal.plan.units import Plan, plan_crossing_rows
+from fx_vitbal.plan.units import Plan, is_band, plan_crossing_rows, unit_rows
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class Measurements:
             imbalance_before=plan.imbalance_before,
             imbalance_after=plan.imbalance_after,
             moved_rows=plan.moved_tokens,
-            total_rows=sum(t * h * w for units in units_R for t, h, w in units),
+            total_rows=sum(unit_rows(u) for units in units_R for u in units),
             inter_node_rows=plan.inter_node_tokens,
             predicted_seconds=past.predicted_R if past is not None else None,
             predicted_exchange_seconds=predicted_exchange,
@@ -193,6 +193,7 @@ class Measurements:
             coefficients=coeffs,
             exchange_latency=fitted[0] if fitted else None,
             exchange_bandwidth=1.0 / fitted[1] if fitted and fitted[1] > 0 else None,
+            split_units=sum(is_band(u) for units in units_R for u in units),
         )
 
 

@@ -55,6 +55,9 @@ class BalanceStats:
     exchange_latency: float | None
     exchange_bandwidth: float | None
     """Bytes per second of the fitted exchange model."""
+    split_units: int = 0
+    """Units computed as row bands of a frame in this call (``BalanceConfig.split_images``):
+    every band of every split frame."""
 
 
 _CALLBACKS: "collections.OrderedDict[int, Callable[[BalanceStats], None]]" = (

@@ -26,9 +26,10 @@ def run_balanced(
     grad_without_images=False,
     module=None,
     problem=0,
+    bands=False,
 ):
-    """plan -> redistribute -> ``run(pixels, grid)`` -> restore, the one balanced ViT call of
-    every eager and in-place path (and of compiled wrappers, which trace it).
+    """plan -> redistribute -> ``run(pixels, grid, bands)`` -> restore, the one balanced ViT call
+    of every eager and in-place path (and of compiled wrappers, which trace it).
 
     ``run`` returns ``(outputs, extra)``: the embeddings to move home (pre-merger or merged
     layout each) and anything else, passed back untouched. Returns ``(restored outputs, extra,
@@ -56,7 +57,9 @@ def run_balanced(
     plan made ahead for it (``runtime.handover``: it replaces the plan op's gather and solve), and
     whose trainable parameters' gradients mark the end of its backward for the measured times
     (``fx_vitbal.measure.clock``; eager only: compiled calls report no time). ``problem``: a
-    ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank.
+    ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank. ``bands``:
+    ``run`` can run row bands of a frame (``runtime.bands``; eager only): on a step whose plan
+    splits one it gets the ``Bands``, else None.
 
     Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
     never waits for the ViT (``ops.restore``).
@@ -77,6 +80,7 @@ def run_balanced(
         problem,
         compiling,
         list(replicas) or None,
+        bands and not compiling,
     )
     # A problem is raised by the plan on every rank; its output keeps the op in the graph. With
     # a plan made ahead (no gather), the rank's batch counts as not planned instead: it takes
@@ -88,11 +92,11 @@ def run_balanced(
         run = _timed(run, getattr(routing, "_vitbal_clock", None), module)
         if not route.any_units:
             return (*_without_images(run, pixel_values, route, area, grad_without_images), routing)
-        if not route.applied and pixel_values.shape[0]:
-            return (*run(pixel_values, grid), routing)  # skipped on every rank: no copies at all
+        if not route.applied and pixel_values.shape[0]:  # skipped on every rank: no copies
+            return (*run(pixel_values, grid, None), routing)
         pixel_values = _taking_part(pixel_values, route)
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
-    outputs, extra = run(pixels, grid)
+    outputs, extra = run(pixels, grid, getattr(routing, "_vitbal_bands", None))
     layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
     rows = ops.home_rows(layouts, pixel_values.shape[0], area)
     check_now = ops.no_backward_will_come(outputs)
@@ -105,9 +109,9 @@ def _timed(run, clock, module):
     if clock is None:
         return run
 
-    def timed(pixels, grid):
+    def timed(pixels, grid, bands):
         clock.forward_started(pixels.device)
-        outputs, extra = run(pixels, grid)
+        outputs, extra = run(pixels, grid, bands)
         clock.forward_ended(outputs, pixels, step_clock.watch_parameters(module))
         return outputs, extra
 
@@ -134,7 +138,7 @@ def _without_images(run, pixel_values, route, area, grad):
     side = math.isqrt(area)
     grid = transfer.to_device(torch.tensor([[1, side, side]], device="cpu"), pixel_values.device)
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        outputs, extra = run(dummy, grid)
+        outputs, extra = run(dummy, grid, None)
     return [o[:0] for o in outputs], extra
 
 

@@ -94,13 +94,15 @@ def step_outputs(
     grad_fixed: bool,
     problem: int = 0,
     replicas: tuple[int, ...] = (),
+    bands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``vitbal::plan``'s outputs ``(balanced grid, routing)`` from ``planned`` (module doc).
     ``max_units``: the routing size the op's fake kernel gives this call; ``grad_fixed``: the
     call is compiled, so its pixels' ``requires_grad`` is not compared; ``problem``: a
     ``metadata.PROBLEMS`` code the caller found, which with no gather to carry it makes this
     rank's batch not the one planned; ``replicas``: the step's replica ranks, which must be the
-    planned ones (else the batch counts as not planned).
+    planned ones (else the batch counts as not planned); ``bands``: the call can run row bands
+    (a plan that splits a frame, handed to a call that cannot, counts as not planned).
 
     Raises:
         ValueError: the planning group's ranks are not the step group's, in the same order.
@@ -112,10 +114,12 @@ def step_outputs(
             f"ranks {list(step_ranks)}; plan over a group with the same ranks, in order"
         )
     route = Routing.of(planned.routing)
+    split = getattr(planned.routing, "_vitbal_bands", None)
     same = (
         not problem
         and settings == planned.settings
         and replicas == planned.replicas
+        and (bands or split is None)
         and _same_shapes(planned.batch, pixel_values, grid_thw, grad_fixed)
     )
     if not route.applied:  # nothing moves anywhere: this rank's own batch, as it is
@@ -156,6 +160,8 @@ def step_outputs(
         return grid, planned.routing
     routing = route.repacked(planned.routing, mismatched=mismatched, max_units=units)
     routing._vitbal_clock = getattr(planned.routing, "_vitbal_clock", None)
+    if bands and split is not None:  # the exchange runs in lockstep, planned batch or not
+        routing._vitbal_bands = split
     if not mismatched:
         routing._vitbal_home_grid = planned.batch[3]
     return grid, routing

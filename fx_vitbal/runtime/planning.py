@@ -9,19 +9,22 @@ collective.
 """
 
 import dataclasses
+import functools
 import itertools
 
 import torch
 import torch.distributed as dist
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
-from fx_vitbal.cost.static import CostModel
+from fx_vitbal.cost.static import ArchitectureCost, CostModel
 from fx_vitbal.measure.measurements import measurements_for
 from fx_vitbal.measure.stats import defer, publish
+from fx_vitbal.plan.bands import BandRule, band_cost, exchange_scale, solve_with_bands
 from fx_vitbal.plan.replicas import as_held, solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
-from fx_vitbal.plan.units import Plan
+from fx_vitbal.plan.units import Plan, is_band, unit_rows
 from fx_vitbal.runtime import handover, status, transfer
+from fx_vitbal.runtime.bands import Bands, band_layout
 from fx_vitbal.runtime.collectives import group_ranks, resolve_group
 from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
 from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
@@ -35,7 +38,7 @@ from fx_vitbal.runtime.routing import (
     split_units,
 )
 from fx_vitbal.runtime.rows import DTYPES
-from fx_vitbal.runtime.settings import parse_planner_spec
+from fx_vitbal.runtime.settings import band_rule_of, parse_planner_spec
 
 
 @torch.library.custom_op("vitbal::plan", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
@@ -51,6 +54,7 @@ def plan(
     problem: int = 0,
     grad_fixed: bool = False,
     replicas: list[int] | None = None,
+    bands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``.
 
@@ -65,6 +69,8 @@ def plan(
     found, raised on every rank; ``grad_fixed``: this call is compiled, so its pixels'
     ``requires_grad`` cannot follow the other ranks'. ``replicas``: the group ranks holding this
     rank's batch, itself included (``runtime.replicas``; None or one rank: its own set).
+    ``bands``: this call's ViT can run row bands (``runtime.bands``); the plan splits a frame
+    only if every rank's can, and the routing then carries the ``Bands`` the ViT is given.
     """
     group = resolve_group(group_name)
     if dist.get_world_size(group) != world_size:
@@ -89,6 +95,7 @@ def plan(
             grad_fixed,
             problem,
             tuple(replicas or ()),
+            bands,
         )
     grid, routing, _ = solve_for_rank(
         pixel_values,
@@ -100,6 +107,7 @@ def plan(
         problem,
         grad_fixed,
         tuple(replicas or ()),
+        bands=bands,
     )
     return transfer.to_device(grid, grid_thw.device), routing
 
@@ -116,12 +124,13 @@ def solve_for_rank(
     replicas: tuple[int, ...] = (),
     device_type: str | None = None,
     check_pixels: bool = True,
+    bands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan]:
     """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
     gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``, the
     grid on the host (the op copies it to the device).
     ``device_type``: where the step's ViT runs, for its autocast state (default: the pixels'
-    device); ``check_pixels``: as ``gather_grids`` takes it."""
+    device); ``check_pixels``, ``bands``: as ``gather_grids`` takes them."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     # --- measured times (fx_vitbal.measure): report an earlier call in the header, fit from
     # every rank's reports, plan with the fitted models. Ranks whose fits saw different calls
@@ -144,25 +153,34 @@ def solve_for_rank(
         new_layout=layouts_agreed(ranks, key) is None,
         replica_ranks=replicas,
         check_pixels=check_pixels,
+        bands=bands,
     )
     measured = state.observe(gathered.reports_R)
     pixel_bytes = gathered.row_numel * DTYPES[gathered.dtype_code].itemsize
     exchange_model = state.exchange_model(pixel_bytes, gathered.pixels_need_grad)
+    cost_model = state.cost_model()
+    rule = band_rule_of(planner) if gathered.bands else None
     solved, units_R, note, replica_layout = plan_units(
         gathered.grids_R,
         rank,
         planner,
-        cost_model=state.cost_model(),
+        cost_model=cost_model,
         exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
         sets=gathered.sets,
+        bands=rule,
+        band_scale=_band_scale(cost_model, exchange_model, planner, world_size),
     )
     call_id = next(_CALL_IDS)
     step, clock = state.begin(solved, units_R, merge_size)
     if replica_layout is None:
         route, rows = local_routing(solved, units_R, rank, merge_size), None
+        units_O, arrivals = units_R, solved.assignment[rank]
+        computed_by = _destinations(solved)
     else:  # the local units are the set's
-        held, units_S = replica_layout
-        route, rows = routing_for_sets(solved, held, gathered.sets, units_S, rank, merge_size)
+        held, units_O = replica_layout
+        route, arrivals = routing_for_sets(solved, held, gathered.sets, units_O, rank, merge_size)
+        rows = [list(units_O[s][i][:3]) for s, i in arrivals] or None
+        computed_by = _set_destinations(solved, held, gathered.sets)
     route = dataclasses.replace(
         route,
         any_units=any(units_R),
@@ -180,6 +198,11 @@ def solve_for_rank(
     routing = route.to_tensor(max_units(pixel_values.shape[0], merge_size))
     routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
     routing._vitbal_home_grid = gathered.grids_R[rank]  # ``vits.regenerate_window_index``
+    if any(is_band(u) for units in units_O for u in units):  # the ViT's ``vitbal_bands``
+        band_units, layout = band_layout(
+            units_O, computed_by, arrivals, rank, world_size, merge_size
+        )
+        routing._vitbal_bands = Bands(band_units, layout.to_tensor(), group.group_name)
     defer(call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model))
     if not route.applied:  # nothing moves: the gather was the call's last collective
         publish(call_id)
@@ -188,6 +211,34 @@ def solve_for_rank(
 
 # Ids of the calls planned in this process, for their status words and deferred reports.
 _CALL_IDS = itertools.count(1)
+
+
+def _destinations(plan: Plan):
+    """``(rank, index) -> the rank computing it``, reading each rank's destinations once."""
+    destinations = functools.cache(plan.destinations)
+    return lambda r, i: destinations(r)[i]
+
+
+def _set_destinations(plan: Plan, held: list[list[int]], sets):
+    """``(set, index) -> the rank computing it``: where its holder's unit goes."""
+    where: dict[tuple[int, int], int] = {}
+    for s, ranks in enumerate(sets):
+        for h in ranks:
+            for j, d in enumerate(plan.destinations(h)):
+                where[(s, held[h][j])] = d
+    return lambda s, i: where[(s, i)]
+
+
+def _band_scale(cost_model, exchange_model, planner: str, world: int):
+    """What prices a band's exchange (``plan.bands.exchange_scale``): the measured exchange when
+    costs are in seconds, the H100-class constants when they are in multiply-accumulates (bands
+    may cross nodes when the group spans several), else nothing."""
+    if exchange_model is not None:
+        return exchange_scale(True, False, exchange_model.latency, exchange_model.seconds_per_byte)
+    if isinstance(cost_model, ArchitectureCost):
+        per_node = parse_planner_spec(planner)[0].ranks_per_node
+        return exchange_scale(False, per_node is not None and 1 < per_node < world)
+    return None
 
 
 @plan.register_fake
@@ -203,6 +254,7 @@ def _(
     problem=0,
     grad_fixed=False,
     replicas=None,
+    bands=False,
 ):
     ctx = torch.library.get_ctx()
     grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit
@@ -222,52 +274,82 @@ def plan_units(
     cost_model: CostModel | None = None,
     exchange_seconds=None,
     sets: list[tuple[int, ...]] | None = None,
-) -> tuple[Plan, list[list[tuple[int, int, int]]], str | None, tuple | None]:
+    bands: BandRule | None = None,
+    band_scale: tuple[float, float] | None = None,
+) -> tuple[Plan, list[list[tuple]], str | None, tuple | None]:
     """Cost every unit of every rank and solve the plan (same result on every rank).
 
     ``cost_model`` replaces the spec's (the online model fitted this step, ``fx_vitbal.measure``);
     ``exchange_seconds`` goes to ``solve_plan``. The memo of unit costs lives for this call only.
     ``sets``: replica sets (``runtime.replicas``), whose ranks hold one grid each: their units
-    are planned once (``plan.replicas.solve_for_sets``).
+    are planned once (``plan.replicas.solve_for_sets``). ``bands``: the frames that bind the
+    step alone may be split (``plan.bands.solve_with_bands``), their exchange priced by
+    ``band_scale`` (``plan.bands.exchange_scale``; None: not priced).
     Returns ``(plan, units per rank, the --dp-balance-verbose line on rank 0 or None, replica
     layout)``: the caller prints the line once the call's last collective is done. With replica
     sets, the units per rank are the units each rank holds in the plan's layout, and the replica
-    layout is ``(held, units of each set)`` (``solve_for_sets``); else it is None.
+    layout is ``(held, units of each set)`` (``solve_for_sets``); else it is None. A split
+    frame's ``Band``s replace it among its owner's units.
     """
     config, spec_cost = parse_planner_spec(spec)
-    cost_model = spec_cost if cost_model is None else cost_model
+    cost_of = unit_costs(spec_cost if cost_model is None else cost_model, bands, band_scale)
+
+    def solve(units_O):
+        costs, tokens = cost_units(units_O, cost_of)
+        if sets is None:
+            return solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds), None
+        return solve_for_sets(costs, tokens, sets, config=config, exchange_seconds=exchange_seconds)
+
     if sets is None:
-        units_R = [split_units(grid, config.split_frames) for grid in grids_R]
-        costs, tokens = cost_units(units_R, cost_model)
-        plan = solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds)
-        replica_layout = None
+        units_O = [split_units(grid, config.split_frames) for grid in grids_R]
     else:
-        units_S = [split_units(grids_R[ranks[0]], config.split_frames) for ranks in sets]
-        costs, tokens = cost_units(units_S, cost_model)
-        plan, held = solve_for_sets(
-            costs, tokens, sets, config=config, exchange_seconds=exchange_seconds
-        )
-        units_R = as_held(units_S, sets, held)
-        replica_layout = held, units_S
+        units_O = [split_units(grids_R[ranks[0]], config.split_frames) for ranks in sets]
+    collective = band_scale[1] if band_scale is not None else 0.0
+    plan, held, units_O = solve_with_bands(
+        units_O,
+        cost_of,
+        solve,
+        bands,
+        num_ranks=len(grids_R),
+        min_gain=config.min_gain,
+        collective_cost=collective,
+    )
+    units_R, replica_layout = units_O, None
+    if sets is not None:
+        units_R, replica_layout = as_held(units_O, sets, held), (held, units_O)
     step = next(_plan_calls)
     note = None
     if config.verbose and rank == 0:
-        note = describe_plan(plan, step, sum(map(sum, tokens)))
+        note = describe_plan(plan, step, sum(unit_rows(u) for units in units_O for u in units))
     return plan, units_R, note, replica_layout
 
 
-def cost_units(
-    units_R: list[list[tuple[int, int, int]]], cost_model: CostModel
-) -> tuple[list[list[float]], list[list[int]]]:
-    """``(costs, tokens)`` of every rank's units for ``solve_plan``; each distinct unit is costed
-    once (grids repeat a lot, and cost models are Python)."""
-    memo: dict[tuple[int, int, int], float] = {}
-    for units in units_R:
-        for u in units:
-            if u not in memo:
-                memo[u] = cost_model(*u)
-    costs = [[memo[u] for u in units] for units in units_R]
-    tokens = [[t * h * w for t, h, w in units] for units in units_R]
+def unit_costs(
+    cost_model: CostModel, bands: BandRule | None = None, scale: tuple[float, float] | None = None
+):
+    """A unit's cost under ``cost_model``, each distinct unit costed once (grids repeat a lot,
+    and cost models are Python); a ``Band``'s is its share of its frame's, plus the bytes of
+    its exchange priced by ``scale`` (``plan.bands``)."""
+    memo: dict[tuple, float] = {}
+
+    def cost_of(unit) -> float:
+        if unit not in memo:
+            if is_band(unit):
+                frame = cost_of((1, unit.full_h, unit.w))
+                price = bands.price(unit, scale[0]) if scale is not None else 0.0
+                memo[unit] = band_cost(frame, unit) + price
+            else:
+                memo[unit] = cost_model(*unit)
+        return memo[unit]
+
+    return cost_of
+
+
+def cost_units(units_R: list[list[tuple]], cost_of) -> tuple[list[list[float]], list[list[int]]]:
+    """``(costs, tokens)`` of every rank's units for ``solve_plan``: ``cost_of`` each unit
+    (``unit_costs``), and its pixel rows."""
+    costs = [[cost_of(u) for u in units] for units in units_R]
+    tokens = [[unit_rows(u) for u in units] for units in units_R]
     return costs, tokens
 
 

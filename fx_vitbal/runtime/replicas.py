@@ -17,6 +17,7 @@ import torch
 
 from fx_vitbal.plan.replicas import set_of_ranks
 from fx_vitbal.plan.units import Plan
+from fx_vitbal.plan.units import unit_rows as rows_of
 from fx_vitbal.runtime.routing import Routing
 
 # Header fields of a rank's declaration (``declare``) and of its pixels' checksum.
@@ -109,12 +110,13 @@ def routing_for_sets(
     plan: Plan,
     held: list[list[int]],
     sets: Sequence[Sequence[int]],
-    units_S: list[list[tuple[int, int, int]]],
+    units_S: list[list[tuple]],
     rank: int,
     merge_size: int,
-) -> tuple[Routing, list[list[int]]]:
-    """This rank's ``Routing`` and balanced grid under ``plan`` (``plan.replicas``'s, with the
-    holdings ``held``), where the local units are the set's, ``units_S[s]`` for set ``s``.
+) -> tuple[Routing, list[tuple[int, int]]]:
+    """This rank's ``Routing`` under ``plan`` (``plan.replicas``'s, with the holdings ``held``),
+    where the local units are the set's, ``units_S[s]`` for set ``s``, and the ``(set, index)``
+    of the units it computes, in the order they arrive (its balanced batch).
 
     A unit computed inside its set takes its pixels from the computing rank's own copy; one
     computed outside is sent by its holder. Units arrive grouped by sender, in the set's order:
@@ -129,7 +131,7 @@ def routing_for_sets(
         for j, d in enumerate(plan.destinations(h)):
             i = held[h][j]
             dest[i], sender[i] = d, d if set_of[d] == mine else h
-    unit_rows = [t * h * w for t, h, w in units]
+    unit_rows = [rows_of(u) for u in units]
     send_rows = [0] * world
     for i, rows in enumerate(unit_rows):
         if sender[i] == rank:
@@ -137,11 +139,9 @@ def routing_for_sets(
     arrivals = sorted(
         (rank if set_of[h] == mine else h, held[h][j], set_of[h]) for h, j in plan.assignment[rank]
     )
-    recv_rows, grid = [0] * world, []
+    recv_rows = [0] * world
     for source, i, s in arrivals:
-        t, h, w = units_S[s][i]
-        recv_rows[source] += t * h * w
-        grid.append([t, h, w])
+        recv_rows[source] += rows_of(units_S[s][i])
     route = Routing(
         applied=True,  # each unit once: the sets' work is shared even when the plan moves nothing
         unit_rows=unit_rows,
@@ -153,4 +153,4 @@ def routing_for_sets(
         sender=sender,
         rank=rank,
     )
-    return route, grid or [[1, merge_size, merge_size]]
+    return route, [(s, i) for _, i, s in arrivals]

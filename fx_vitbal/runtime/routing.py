@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from fx_vitbal.plan.units import Plan
+from fx_vitbal.plan.units import unit_rows as rows_of
 from fx_vitbal.runtime import transfer
 from fx_vitbal.runtime.rows import DTYPES
 
@@ -200,7 +201,7 @@ def local_routing(
     rows if the rank would compute nothing). It reads only this rank's units and the units it
     receives, not every rank's."""
     world = len(units_R)
-    unit_rows = [t * h * w for t, h, w in units_R[rank]]
+    unit_rows = [rows_of(u) for u in units_R[rank]]
     dest = plan.destinations(rank)
     send_rows = [0] * world
     for rows, d in zip(unit_rows, dest, strict=True):
@@ -208,8 +209,7 @@ def local_routing(
     recv_rows = [0] * world
     assigned = plan.assignment[rank]
     for src, idx in assigned:
-        t, h, w = units_R[src][idx]
-        recv_rows[src] += t * h * w
+        recv_rows[src] += rows_of(units_R[src][idx])
     dummy_rows = merge_size**2 if not assigned else 0
     return Routing(plan.applied, unit_rows, dest, send_rows, recv_rows, dummy_rows)
 
@@ -234,5 +234,5 @@ def balanced_grid(
 ) -> list[list[int]]:
     """Grid rows this rank computes, in arrival order (no collective needed); the dummy unit
     ``[1, m, m]`` when there is nothing else."""
-    rows = [list(units_R[src][idx]) for src, idx in plan.assignment[rank]]
+    rows = [list(units_R[src][idx][:3]) for src, idx in plan.assignment[rank]]
     return rows or [[1, merge_size, merge_size]]

@@ -24,6 +24,7 @@ from fx_vitbal.cost.static import (
     cost_from_spec,
     cost_to_spec,
 )
+from fx_vitbal.plan.bands import BandRule
 from fx_vitbal.runtime.routing import ROUTING_HEADER
 from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
 
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 DEFAULT_CONFIG = BalanceConfig()
 
 
-def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
+def planner_spec(
+    config: BalanceConfig, cost_model: CostModel, bands: BandRule | None = None
+) -> str:
     """Everything ``plan_units`` needs besides the data, as one string (a custom-op argument,
     so it is part of the compiled graph and of every cache key).
 
@@ -47,6 +50,10 @@ def planner_spec(config: BalanceConfig, cost_model: CostModel) -> str:
     if config.ranks_per_node is None:  # node-blind specs (and their cache keys) stay as they were
         del fields["ranks_per_node"]
     spec = {"config": fields, "cost": cost_to_spec(cost_model), "routing": ROUTING_HEADER}
+    if bands is None:  # a ViT that runs no bands: its specs (and cache keys) stay as they were
+        del fields["split_images"], fields["min_band_patches"]
+    else:
+        spec["bands"] = dataclasses.asdict(bands)
     return json.dumps(spec, sort_keys=True)
 
 
@@ -58,15 +65,40 @@ def parse_planner_spec(spec: str) -> tuple[BalanceConfig, CostModel]:
     return BalanceConfig(**config), cost_from_spec(fields["cost"])
 
 
+def band_rule_of(spec: str) -> BandRule | None:
+    """The bands a planner spec allows (``planner_spec``), or None."""
+    bands = json.loads(spec).get("bands")
+    return None if bands is None else BandRule(**bands)
+
+
 def planner_spec_for(
-    config: BalanceConfig, architecture: ArchitectureCost | None, frame_independent: bool
+    config: BalanceConfig,
+    architecture: ArchitectureCost | None,
+    frame_independent: bool,
+    bands: "tuple[int, int, int] | None" = None,
 ) -> str:
     """The planner spec of a ViT under ``config``: its cost model chosen from ``config`` and the
     ViT's architecture cost (None: unknown), frames split only if the ViT encodes them
-    independently. The one rule of every path (registered ViTs, Hugging Face towers)."""
+    independently, bands only if it runs them (``bands``: its ``(align rows, exchanging layers,
+    key and value width)``, ``vits.BandSupport``) and ``config.split_images``. The one rule of
+    every path (registered ViTs, Hugging Face towers)."""
     cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture)
     split = config.split_frames and frame_independent
-    return planner_spec(dataclasses.replace(config, split_frames=split), cost_model)
+    rule = None
+    if bands is not None and config.split_images:
+        align, layers, width = bands
+        rule = BandRule(
+            align=align,
+            min_patches=config.min_band_patches,
+            exchange_layers=layers,
+            kv_bytes_per_patch=KV_BYTES * width,
+        )
+    return planner_spec(dataclasses.replace(config, split_frames=split), cost_model, rule)
+
+
+# Bytes of a patch's key and value per unit of their width: two tensors in bf16, what training
+# runs in (an fp32 run moves twice as many; the decision errs towards splitting there).
+KV_BYTES = 2 * 2
 
 
 def planner_for(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
@@ -122,8 +154,11 @@ def _new_layout_token() -> int:
 @torch.compiler.assume_constant_result
 def _settings(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
     spec = vision_encoder_spec(vit)
-    architecture = spec.cost_model(unwrap_module(vit)) if spec.cost_model is not None else None
-    return planner_spec_for(config, architecture, spec.frame_independent), spec.merge_size(vit)
+    inner = unwrap_module(vit)
+    architecture = spec.cost_model(inner) if spec.cost_model is not None else None
+    bands = spec.bands.of(inner) if spec.bands is not None else None
+    planner = planner_spec_for(config, architecture, spec.frame_independent, bands)
+    return planner, spec.merge_size(vit)
 
 
 def active_group(

@@ -60,6 +60,10 @@ class VisionEncoderSpec:
     ``pixel_values=None`` on a rank without images (the graph needs the stand-in's width when
     traced; eagerly the other ranks' width is learned from the plan)."""
 
+    bands: "BandSupport | None" = None
+    """How the ViT runs row bands of a frame. Consequence: a frame that would bind the step
+    alone may be split across ranks (``BalanceConfig.split_images``); without it, never."""
+
     def merge_size(self, vit: nn.Module) -> int:
         """The declared merge size, else ``vit.spatial_merge_size``.
 
@@ -78,6 +82,31 @@ class VisionEncoderSpec:
         return size
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BandSupport:
+    """A ViT that computes row bands of a frame (``fx_vitbal.plan.bands``): on a step whose plan
+    splits a frame, its ``forward`` gets a keyword ``vitbal_bands`` (a ``fx_vitbal.Bands``; on
+    other steps none): it places each band's patches at the frame's rows
+    (``Bands.units[i].first_row``), and in every layer that attends over whole frames it
+    attends from a band's queries over ``Bands.gather``'s keys and values (the whole frame's).
+    Each field is a number, or a function of the ViT instance giving it."""
+
+    align_rows: int | Callable[[nn.Module], int]
+    """Patch rows a band starts at a multiple of: the merge size, or the window height in
+    patch rows where some layers attend in windows (windows then stay inside a band)."""
+    exchange_layers: int | Callable[[nn.Module], int]
+    """Layers that attend over whole frames (each gathers keys and values once)."""
+    width: int | Callable[[nn.Module], int]
+    """Values per patch of its keys (and of its values): heads x head size."""
+
+    def of(self, vit: nn.Module) -> tuple[int, int, int]:
+        """``(align rows, exchanging layers, width)`` of ``vit``."""
+        return tuple(
+            value(vit) if callable(value) else value
+            for value in (self.align_rows, self.exchange_layers, self.width)
+        )
+
+
 _REGISTRY: dict[type, VisionEncoderSpec] = {}
 
 
@@ -88,6 +117,7 @@ def register_vision_encoder(
     spatial_merge_size: int | None = None,
     cost_model: Callable[[nn.Module], ArchitectureCost] | None = None,
     pixel_width: Callable[[nn.Module], int] | None = None,
+    bands: BandSupport | None = None,
 ) -> type:
     """Declare a ViT class balanceable (see ``VisionEncoderSpec`` for the fields). Returns ``cls``.
 
@@ -101,6 +131,7 @@ def register_vision_encoder(
         frame_independent=frame_independent,
         cost_model=cost_model,
         pixel_width=pixel_width,
+        bands=bands,
     )
     return cls
 

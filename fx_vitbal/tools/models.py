@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fx_vitbal.cost.static import ArchitectureCost
-from fx_vitbal.runtime.vits import register_vision_encoder
+from fx_vitbal.runtime.vits import BandSupport, register_vision_encoder
 
 __all__ = ["QwenStyleViT", "ViTConfig"]
 
@@ -110,6 +110,18 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     (it guards on ``N == 0``), and the same graph on every torch keeps snapshots stable."""
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def _attend_bands(q: Tensor, k: Tensor, v: Tensor, bands, lengths) -> Tensor:
+    """Attention of ``[heads, N, head_dim]`` tensors where the local units attend over the keys
+    and values ``bands.gather`` brings (a band's: its whole frame's); ``lengths``: per frame,
+    ``(query rows, key rows)``."""
+    # Keys and values side by side: one exchange per layer.
+    kv = bands.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
+    k_all, v_all = kv.chunk(2, -1)
+    queries, keys = zip(*lengths, strict=True)
+    parts = zip(q.split(queries, 1), k_all.split(keys, 1), v_all.split(keys, 1), strict=True)
+    return torch.cat([_sdpa_4d(*qkv) for qkv in parts], 1)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
@@ -203,11 +215,16 @@ class _VisionBlock(PreNormBlock):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__(config.hidden, config.num_heads, config.mlp_hidden)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments, bands=None
+    ) -> Tensor:
+        """``bands``: ``(Bands, per frame (query rows, key rows))`` in a layer attending over
+        whole frames on a step with bands (``fx_vitbal.runtime.bands``)."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = _attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), segments)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        out = _attend(q, k, v, segments) if bands is None else _attend_bands(q, k, v, *bands)
         x = x + self.proj(out.transpose(0, 1).flatten(1))
         return x + self.mlp(self.norm2(x))
 
@@ -285,12 +302,26 @@ class QwenStyleViT(nn.Module):
         return self._window_index_and_lengths(image_grid_thw)[0]
 
     def forward(
-        self, pixel_values: Tensor, image_grid_thw: Tensor
+        self, pixel_values: Tensor, image_grid_thw: Tensor, vitbal_bands=None
     ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
-        """Encode ``pixel_values [N, in_dim]`` laid out by ``image_grid_thw [n, 3]``."""
+        """Encode ``pixel_values [N, in_dim]`` laid out by ``image_grid_thw [n, 3]``.
+
+        ``vitbal_bands``: on a step whose balancing plan splits a frame into row bands, the
+        ``fx_vitbal.Bands`` of this batch (``BandSupport``): a band's patches sit at its frame's
+        rows, and full-attention blocks attend over its whole frame."""
         m = self.spatial_merge_size
         num_patches = pixel_values.shape[0]
         frame_id, row, col = _patch_layout(image_grid_thw, num_patches, m)
+        full = None
+        if vitbal_bands is not None:
+            units = vitbal_bands.units
+            first_rows = torch.tensor([u.first_row for u in units], device=row.device)
+            patches = torch.tensor([u.frames * u.rows * u.width for u in units], device=row.device)
+            row = row + torch.repeat_interleave(first_rows, patches, output_size=num_patches)
+            lengths = [
+                (u.rows * u.width, u.full_rows * u.width) for u in units for _ in range(u.frames)
+            ]
+            full = (vitbal_bands, lengths)
         cos, sin = self._rotary(row, col, pixel_values.dtype)
         x = self.patch_embed(pixel_values)
 
@@ -312,7 +343,10 @@ class QwenStyleViT(nn.Module):
             windowed = (
                 self.config.window_size is not None and i not in self.config.fullatt_block_indexes
             )
-            x = block(x, cos, sin, window_segments if windowed else frame_segments)
+            if windowed:  # windows stay inside a band
+                x = block(x, cos, sin, window_segments)
+            else:
+                x = block(x, cos, sin, frame_segments, full)
             if i in self.config.deepstack_indexes:
                 merger = self.deepstack_mergers[self.config.deepstack_indexes.index(i)]
                 deepstack.append(merger(x))
@@ -336,10 +370,21 @@ def _architecture_cost(vit: QwenStyleViT) -> ArchitectureCost:
     )
 
 
-# Attention, rotary positions and windows are all per frame, so frames may be split across ranks.
+def _full_attention_blocks(vit: QwenStyleViT) -> int:
+    config = vit.config
+    return len(config.fullatt_block_indexes) if config.window_size else config.depth
+
+
+# Attention, rotary positions and windows are all per frame, so frames may be split across ranks;
+# a frame's row bands too, starting at whole windows (or merge rows without windows).
 register_vision_encoder(
     QwenStyleViT,
     frame_independent=True,
     cost_model=_architecture_cost,
     pixel_width=lambda vit: vit.config.in_dim,
+    bands=BandSupport(
+        align_rows=lambda vit: vit.spatial_merge_size * (vit.config.window_size or 1),
+        exchange_layers=_full_attention_blocks,
+        width=lambda vit: vit.config.hidden,
+    ),
 )

@@ -21,7 +21,7 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.online import OnlineFit, Unit
 from fx_vitbal.cost.static import CostModel, OnlineCost, QuadraticCost
 from fx_vitbal.plan.solve import solve_plan
-from fx_vitbal.runtime.planning import cost_units
+from fx_vitbal.runtime.planning import cost_units, unit_costs
 from fx_vitbal.runtime.routing import split_units
 from fx_vitbal.tools.simulate import QWEN2_VL_7B
 from fx_vitbal.tools.workloads import sample_batches
@@ -140,7 +140,7 @@ def run(
 
 def _plan(units_R: list[list[Unit]], cost_model: CostModel) -> list[list[Unit]]:
     """The units each rank computes under a plan made with ``cost_model``."""
-    costs, tokens = cost_units(units_R, cost_model)
+    costs, tokens = cost_units(units_R, unit_costs(cost_model))
     plan = solve_plan(costs, tokens, config=CONFIG)
     return [[units_R[s][i] for s, i in assigned] or [DUMMY_UNIT] for assigned in plan.assignment]
 

@@ -1,0 +1,307 @@
+"""Bands at run time: what a tower computing row bands of a frame is told (``Bands``), and the
+exchange of its keys and values in the layers that attend over whole frames.
+
+A band (``fx_vitbal.plan.bands``) is one more unit to routing, moves and restore: its pixel rows
+are a contiguous run of its frame's, so they move like any unit's and its outputs go home in
+order. Only inside the tower does it differ: its positions are the frame's (it starts at
+``first_row``), and in every layer that attends over whole frames its queries need the whole
+frame's keys and values, which lie on the ranks computing the other bands. ``Bands.gather``
+moves them: one ``all_to_all`` over the balancing group per call, issued by every rank (a rank
+with no band sends and receives nothing, but takes part), in the same layers in the same order
+(every rank runs the same tower, the dummy unit if it has nothing else). It returns, for each
+local unit in order, the rows its queries attend over: its own for a whole unit, the whole
+frame's for a band. Its backward sends each gradient back to the rank whose rows it belongs to
+and sums it there (``vitbal::band_scatter``, the adjoint).
+
+Shape suffixes: ``_U`` per local unit, ``_R`` per rank.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fx_vitbal._compat import CUDAGRAPH_UNSAFE
+from fx_vitbal.plan.units import is_band, unit_rows
+from fx_vitbal.runtime import collectives
+from fx_vitbal.runtime.collectives import resolve_group
+
+# A piece's source when it is a run of the local tensor rather than of what arrived.
+LOCAL = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class BandLayout:
+    """One rank's exchange of band rows for one step, in rows of the tensors exchanged (one row
+    per patch): which local rows go to which rank, and how the result is made of local and
+    arrived rows."""
+
+    send: list[tuple[int, int]]
+    """Runs of local rows sent, in order (destination by destination)."""
+    in_splits: list[int]
+    """Rows sent to each rank."""
+    out_splits: list[int]
+    """Rows arriving from each rank."""
+    pieces: list[tuple[int, int, int]]
+    """``(source, first, end)`` runs of the local tensor (``LOCAL``) or of what arrived from a
+    rank, which make the result in order."""
+
+    def to_tensor(self) -> torch.Tensor:
+        world = len(self.in_splits)
+        values = [world, len(self.send), len(self.pieces), *self.in_splits, *self.out_splits]
+        values += [v for run in self.send for v in run]
+        values += [v for piece in self.pieces for v in piece]
+        return torch.tensor(values, dtype=torch.int64, device="cpu")
+
+    @classmethod
+    def of(cls, layout: torch.Tensor) -> "BandLayout":
+        """The layout a packed tensor holds, parsed once per tensor (every layer shares it)."""
+        parsed = getattr(layout, "_vitbal_band_layout", None)
+        if parsed is None:
+            values = layout.tolist()  # a CPU tensor: no device sync
+            world, sends, pieces = values[:3]
+            body = values[3:]
+            runs = body[2 * world : 2 * world + 2 * sends]
+            parts = body[2 * world + 2 * sends : 2 * world + 2 * sends + 3 * pieces]
+            parsed = cls(
+                send=[tuple(runs[i : i + 2]) for i in range(0, len(runs), 2)],
+                in_splits=body[:world],
+                out_splits=body[world : 2 * world],
+                pieces=[tuple(parts[i : i + 3]) for i in range(0, len(parts), 3)],
+            )
+            layout._vitbal_band_layout = parsed
+        return parsed
+
+    @property
+    def rows(self) -> int:
+        """Rows of the result."""
+        return sum(end - first for _, first, end in self.pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class BandUnit:
+    """A local unit as a tower running bands sees it (in patches)."""
+
+    frames: int
+    """Its frames (1 for a band)."""
+    rows: int
+    """Its patch rows per frame (a band's own)."""
+    first_row: int
+    """Its first patch row in its frame (0 for a whole unit)."""
+    full_rows: int
+    """Its frame's patch rows (``rows`` for a whole unit)."""
+    width: int
+    """Its patch columns."""
+
+
+class Bands:
+    """What a tower running bands is told, as its ``vitbal_bands`` keyword (``fx_vitbal.Bands``),
+    on a step whose plan splits a frame; on other steps it gets none.
+
+    ``units[i]`` describes the ``i``-th unit (grid row) of the balanced batch it is given: a
+    whole unit, or a band of a frame (``first_row``, ``full_rows``): its positions are the
+    frame's rows ``first_row`` to ``first_row + rows``. In every layer that attends over whole
+    frames, ``gather(keys)`` and ``gather(values)`` (or both at once, concatenated along a
+    trailing dimension) return, unit by unit, the rows its queries attend over: its own for a
+    whole unit, the whole frame's for a band (``key_rows``). Every rank of the group must call
+    ``gather`` in the same layers, in the same order: a rank without bands too (its tower runs
+    anyway), and never in a window layer (windows stay inside a band).
+    """
+
+    def __init__(self, units: list[BandUnit], layout: torch.Tensor, group_name: str) -> None:
+        self.units = units
+        self.layout = layout
+        self.group_name = group_name
+
+    @property
+    def key_rows(self) -> list[int]:
+        """Per unit: the patch rows ``gather`` returns for it (every frame's, for a whole unit)."""
+        return [u.frames * u.full_rows * u.width for u in self.units]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (one row per local patch, in batch order) as the rows each unit attends over:
+        a collective of the balancing group, with autograd (see the class doc)."""
+        return torch.ops.vitbal.band_gather(x, self.layout, self.group_name)
+
+
+def band_layout(
+    units_O: Sequence[Sequence[tuple]],
+    computed_by: Callable[[int, int], int],
+    arrivals: Sequence[tuple[int, int]],
+    rank: int,
+    world: int,
+    merge_size: int,
+) -> tuple[list[BandUnit], BandLayout]:
+    """This rank's ``BandUnit``s and exchange under a plan.
+
+    Args:
+        units_O: every owner's units as planned (an owner is a rank, or a replica set), a
+            split frame's ``Band``s consecutive in its owner's list.
+        computed_by: ``(owner, index) -> the rank computing that unit``.
+        arrivals: ``(owner, index)`` of the units this rank computes, in batch order.
+        rank, world: this rank, and the group's size.
+        merge_size: a rank computing nothing else computes the dummy unit ``[1, m, m]``.
+
+    Frames are named by ``(owner, index of their first band)``; two ranks exchange the rows of
+    every frame both compute bands of, frame by frame in that order, band by band.
+    """
+    frame_of: dict[tuple[int, int], tuple[int, int]] = {}  # band -> its frame's name
+    bands_of: dict[tuple[int, int], list[int]] = {}  # frame -> its bands' indices
+    for o, units in enumerate(units_O):
+        for i, u in enumerate(units):
+            if is_band(u):
+                name = (o, i) if u.first_row == 0 else frame_of[(o, i - 1)]
+                frame_of[(o, i)] = name
+                bands_of.setdefault(name, []).append(i)
+    starts = [0]
+    local = {}
+    for o, i in arrivals:
+        local.setdefault((o, i), len(starts) - 1)
+        starts.append(starts[-1] + unit_rows(units_O[o][i]))
+    mine = sorted({frame_of[a] for a in arrivals if a in frame_of})
+    # Per peer rank, in frame then band order: the local bands sent, the bands received.
+    send_R: list[list[int]] = [[] for _ in range(world)]
+    recv_R: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for name in mine:
+        o = name[0]
+        ranks = {computed_by(o, i) for i in bands_of[name]}
+        for peer in sorted(ranks - {rank}):
+            send_R[peer] += [local[(o, i)] for i in bands_of[name] if (o, i) in local]
+            recv_R[peer] += [(o, i) for i in bands_of[name] if computed_by(o, i) == peer]
+    send = [(starts[u], starts[u + 1]) for peer in range(world) for u in send_R[peer]]
+    in_splits = [sum(starts[u + 1] - starts[u] for u in send_R[peer]) for peer in range(world)]
+    arrived: dict[tuple[int, int], tuple[int, int, int]] = {}
+    out_splits = []
+    for peer in range(world):
+        first = 0
+        for o, i in recv_R[peer]:
+            rows = unit_rows(units_O[o][i])
+            arrived[(o, i)] = (peer, first, first + rows)
+            first += rows
+        out_splits.append(first)
+    units, pieces = [], []
+    if not arrivals:  # the dummy unit: its own rows
+        units.append(BandUnit(1, merge_size, 0, merge_size, merge_size))
+        pieces.append((LOCAL, 0, merge_size * merge_size))
+    for j, (o, i) in enumerate(arrivals):
+        u = units_O[o][i]
+        if not is_band(u):
+            t, h, w = u
+            units.append(BandUnit(t, h, 0, h, w))
+            pieces.append((LOCAL, starts[j], starts[j + 1]))
+            continue
+        units.append(BandUnit(1, u.h, u.first_row, u.full_h, u.w))
+        for b in bands_of[frame_of[(o, i)]]:
+            if (o, b) in local:
+                k = local[(o, b)]
+                pieces.append((LOCAL, starts[k], starts[k + 1]))
+            else:
+                pieces.append(arrived[(o, b)])
+    return units, BandLayout(_merged(send), in_splits, out_splits, _merged_pieces(pieces))
+
+
+def _merged(runs) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for a, b in runs:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        elif b > a:
+            merged.append((a, b))
+    return merged
+
+
+def _merged_pieces(pieces) -> list[tuple[int, int, int]]:
+    merged: list[tuple[int, int, int]] = []
+    for s, a, b in pieces:
+        if merged and merged[-1][0] == s and merged[-1][2] == a:
+            merged[-1] = (s, merged[-1][1], b)
+        elif b > a:
+            merged.append((s, a, b))
+    return merged
+
+
+@torch.library.custom_op("vitbal::band_gather", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def band_gather(x: torch.Tensor, layout: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``Bands.gather``: the rows each local unit attends over, local rows and the other bands'
+    rows arrived in one ``all_to_all`` (``BandLayout``)."""
+    plan = BandLayout.of(layout)
+    flat = x.reshape(x.shape[0], -1)
+    sent = _rows(flat, plan.send)
+    arrived = flat.new_empty(sum(plan.out_splits), flat.shape[1])
+    collectives.all_to_all(
+        arrived, sent.contiguous(), plan.out_splits, plan.in_splits, resolve_group(group_name)
+    )
+    chunks = arrived.split(plan.out_splits)
+    parts = [flat[a:b] if s == LOCAL else chunks[s][a:b] for s, a, b in plan.pieces]
+    out = torch.cat(parts) if parts else flat[:0].clone()
+    return out.reshape(out.shape[0], *x.shape[1:])
+
+
+@band_gather.register_fake
+def _(x, layout, group_name):
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(rows, *x.shape[1:])
+
+
+@torch.library.custom_op("vitbal::band_scatter", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def band_scatter(
+    grad: torch.Tensor, layout: torch.Tensor, group_name: str, rows: int
+) -> torch.Tensor:
+    """The adjoint of ``band_gather``: each row's gradient summed where the row came from (the
+    local rows' here, in piece order; the arrived rows' sent back, then summed in send order);
+    ``rows``: the local rows."""
+    plan = BandLayout.of(layout)
+    flat = grad.reshape(grad.shape[0], -1)
+    local = flat.new_zeros(rows, flat.shape[1])
+    back = [flat.new_zeros(n, flat.shape[1]) for n in plan.out_splits]
+    first = 0
+    for s, a, b in plan.pieces:
+        piece = flat[first : first + b - a]
+        first += b - a
+        if s == LOCAL:
+            local[a:b] += piece
+        else:
+            back[s][a:b] += piece
+    sent = torch.cat(back) if back else flat[:0]
+    returned = flat.new_empty(sum(plan.in_splits), flat.shape[1])
+    collectives.all_to_all(
+        returned, sent.contiguous(), plan.in_splits, plan.out_splits, resolve_group(group_name)
+    )
+    first = 0
+    for a, b in plan.send:
+        local[a:b] += returned[first : first + b - a]
+        first += b - a
+    return local.reshape(rows, *grad.shape[1:])
+
+
+@band_scatter.register_fake
+def _(grad, layout, group_name, rows):
+    return grad.new_empty(rows, *grad.shape[1:])
+
+
+def _rows(flat: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    if not runs:
+        return flat[:0]
+    return torch.cat([flat[a:b] for a, b in runs])
+
+
+def _gather_setup(ctx, inputs, output):
+    x, layout, group_name = inputs
+    ctx.layout, ctx.group_name, ctx.rows = layout, group_name, x.shape[0]
+
+
+def _gather_backward(ctx, grad):
+    return band_scatter(grad, ctx.layout, ctx.group_name, ctx.rows), None, None
+
+
+def _scatter_setup(ctx, inputs, output):
+    _, layout, group_name, _ = inputs
+    ctx.layout, ctx.group_name = layout, group_name
+
+
+def _scatter_backward(ctx, grad):
+    return band_gather(grad, ctx.layout, ctx.group_name), None, None, None
+
+
+band_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+band_scatter.register_autograd(_scatter_backward, setup_context=_scatter_setup)
