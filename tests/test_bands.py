@@ -20,7 +20,7 @@ from fx_vitbal.plan.units import is_band, unit_rows
 from fx_vitbal.runtime.planning import plan_units
 from fx_vitbal.runtime.settings import band_rule_of, planner_spec_for
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
-from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
+from fx_vitbal.tools.omni import make_inputs
 
 # The tiny test tower's exchange would cost more than its compute at H100 speeds (the
 # architecture model prices it so): the l**2 model, which prices no exchange, lets it split.

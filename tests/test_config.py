@@ -119,6 +119,9 @@ def test_every_flag_reaches_its_field():
             "always",
             "--dp-balance-ranks-per-node-vit",
             "8",
+            "--no-dp-balance-split-images-vit",
+            "--dp-balance-min-band-patches-vit",
+            "4096",
         ]
     )
     expected = BalanceConfig(
@@ -135,6 +138,8 @@ def test_every_flag_reaches_its_field():
         skip_rule="seed",
         min_gain=0.1,
         split_frames=False,
+        split_images=False,
+        min_band_patches=4096,
         ranks_per_node=8,
     )
     assert cfg == expected
@@ -154,6 +159,13 @@ def test_no_flags_give_the_defaults_but_disabled():
 def test_split_frames_flag_can_be_turned_back_on():
     assert parse(["--dp-balance-split-frames-vit"]).split_frames is True
     assert parse(["--no-dp-balance-split-frames-vit"]).split_frames is False
+
+
+def test_split_images_is_on_by_default_and_a_flag_turns_it_off():
+    assert parse([]).split_images is True and BalanceConfig().split_images is True
+    assert parse(["--no-dp-balance-split-images-vit"]).split_images is False
+    with pytest.raises(ValueError, match="min_band_patches"):
+        BalanceConfig(min_band_patches=0)
 
 
 def test_invalid_flag_combination_raises_value_error_in_from_args():

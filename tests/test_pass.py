@@ -53,7 +53,7 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     visual_1 = self.visual
     in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
     layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token);  image_grid_thw = in_balancing_mode = layout_token = None
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"bands": {"align": 2, "exchange_layers": 2, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token);  image_grid_thw = in_balancing_mode = layout_token = None
     getitem_10 = plan_default[0]
     getitem_11 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_11, 4, [4], None, '0')
@@ -100,7 +100,7 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     visual_1 = self.visual
     in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
     layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token);  in_balancing_mode = layout_token = None
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"bands": {"align": 4, "exchange_layers": 1, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token);  in_balancing_mode = layout_token = None
     getitem_10 = plan_default[0]
     getitem_11 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_11, 4, [4], None, '0')
