@@ -42,6 +42,7 @@ from torch import nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.static import ArchitectureCost
+from fx_vitbal.integrations import hf_bands
 from fx_vitbal.integrations.hf_outputs import (
     as_tuple,
     empty_per_image,
@@ -92,6 +93,8 @@ class _Balance(NamedTuple):
     planner: str
     rule: HFTowerRule
     merge: int
+    bands: bool
+    """The tower runs row bands (``hf_bands``): its rule has a recipe and ``split_images``."""
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -130,9 +133,15 @@ def enable_hf_vit_balance(
     # A tower fed one frame per grid row gets its videos as frames from the plan's units (no
     # host read of the grid), so its frames are always planned as units.
     planned = dataclasses.replace(config, split_frames=True) if rule.one_frame_rows else config
-    planner = planner_spec_for(planned, architecture_cost(tower), rule.frames_independent)
+    bands = rule.bands is not None and config.split_images
+    support = None
+    if bands:
+        hf_bands.install(tower, rule.bands)
+        support = hf_bands.band_support(tower, rule.bands, rule.dims(tower.config)[0])
+    arch = architecture_cost(tower)
+    planner = planner_spec_for(planned, arch, rule.frames_independent, support)
     merge = rule.merge_size(tower)
-    tower._vitbal_hf = _Balance(config, group, replica_group, planner, rule, merge)
+    tower._vitbal_hf = _Balance(config, group, replica_group, planner, rule, merge, bands)
     layout_token(tower)  # made now, so graphs traced later read it as a constant
     original = getattr(tower, "_vitbal_original_forward", tower.forward)
     tower._vitbal_original_forward = original
@@ -200,7 +209,7 @@ def architecture_cost(tower: nn.Module) -> ArchitectureCost:
 def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     """The tower's forward, balanced; pixels and outputs in the tower's own format (with a
     leading batch dimension where its rule says so)."""
-    config, group, replica_group, planner, rule, merge = tower._vitbal_hf
+    config, group, replica_group, planner, rule, merge, bands = tower._vitbal_hf
     pixels = args[0] if args else kwargs.pop(_pixels_argument(original))
     grid_thw = args[1] if len(args) > 1 else kwargs.pop("grid_thw")
     pending = tower.__dict__.get("_vitbal_replay")
@@ -218,19 +227,22 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     for name in PRECOMPUTED_KWARGS:
         kwargs.pop(name, None)
 
-    def run(rows, grid, bands):
+    def run(rows, grid, split):
         if rule.pixel_shape is not None:
             rows = rows.reshape(-1, *rule.pixel_shape(tower.config))
         fed = rows.unsqueeze(0) if rule.batched_pixels else rows
-        out = original(fed, grid_thw=grid, return_dict=True, **kwargs)
+        extra = {} if split is None else hf_bands.band_kwargs(tower, rule.bands, split, rows.device)
+        grid = extra.pop("grid_thw", grid)
+        out = original(fed, grid_thw=grid, return_dict=True, **kwargs, **extra)
         return restored_rows(rule, out), out
 
     rows = pixels.squeeze(0) if rule.batched_pixels else pixels
     if problem:  # only the plan runs: the tower never sees these pixels
         rows = rows.new_empty(0, *rows.shape[1:])
         grid_thw = torch.zeros(0, 3, dtype=torch.long, device=rows.device)
+    bands = bands and not torch.compiler.is_compiling()
     outputs, out, _ = run_balanced(
-        run, rows, grid_thw, merge, planner, dist_info, module=tower, problem=problem
+        run, rows, grid_thw, merge, planner, dist_info, module=tower, problem=problem, bands=bands
     )
     if problem:  # (compiled: the plan's empty output keeps the op in the graph)
         return out
@@ -258,7 +270,7 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     on ranks that have pixels, so a wrapped parent never reaches its own feature code except
     through here: the ``vitbal`` backend refuses graphs that do (an unwrapped VLM).
     """
-    config, group, _, _, rule, merge = tower._vitbal_hf
+    config, group, _, _, rule, merge, _ = tower._vitbal_hf
     active = active_group(tower, config, group) is not None
     kwargs = {**dict(zip(params[: len(args)], args, strict=True)), **kwargs}
     if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):

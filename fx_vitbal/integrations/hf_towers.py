@@ -65,6 +65,11 @@ class HFTowerRule:
     arrive flat from another rank)."""
     batched_outputs: bool = False
     """The tower's restored fields carry a leading batch dimension of 1."""
+    bands: str | None = None
+    """The tower runs row bands of a frame (``fx_vitbal.integrations.hf_bands``) by this recipe
+    of precomputed kwargs: ``qwen2`` (positions and segments), ``qwen2_5`` (and windows),
+    ``qwen3`` (and the interpolated position table), ``glm`` (and whole-frame image shapes).
+    None: never split."""
     outputs: tuple[str, ...] = ("pooler_output",)
     """The output fields restored to their home rank (what the parent's feature code reads);
     a list field (Qwen3-VL's ``deepstack_features``) is restored entry by entry. Fields not
@@ -115,6 +120,7 @@ def _config_merge(tower: nn.Module) -> int:
 
 
 _QWEN = dict(dims=_qwen_dims, frames_independent=True)
+_QWEN2_5 = dict(_QWEN, gated_mlp=True, bands="qwen2_5")
 _MUSE = dict(  # the tower's own pixel shuffle merges 2x2 blocks into its output rows
     dims=lambda c: (c.hidden_size, c.intermediate_size, c.hidden_size * c.merge_size**2),
     depth=_layers,
@@ -124,6 +130,7 @@ _MUSE = dict(  # the tower's own pixel shuffle merges 2x2 blocks into its output
     outputs=("last_hidden_state",),
 )
 _QWEN3 = dict(_QWEN, outputs=("pooler_output", "deepstack_features"))
+_QWEN3_BANDS = dict(_QWEN3, bands="qwen3")
 # Towers whose parent projects ``last_hidden_state``, with HF-style config names.
 _PROJECTED = dict(
     dims=_plain_dims, depth=_layers, merge_size=_config_merge, outputs=("last_hidden_state",)
@@ -132,20 +139,20 @@ _GLM = dict(dims=_glm_dims, gated_mlp=True, frames_independent=True, one_frame_r
 
 SHIPPED_RULES: dict[str, HFTowerRule] = {
     "Qwen2VisionTransformerPretrainedModel": HFTowerRule(
-        family="Qwen2-VL", dims=_qwen2_dims, frames_independent=True
+        family="Qwen2-VL", dims=_qwen2_dims, frames_independent=True, bands="qwen2"
     ),
     "Qwen2_5_VisionTransformerPretrainedModel": HFTowerRule(
-        family="Qwen2.5-VL, MiMo-VL", gated_mlp=True, **_QWEN
+        family="Qwen2.5-VL, MiMo-VL", **_QWEN2_5
     ),
-    "Qwen2_5OmniVisionEncoder": HFTowerRule(family="Qwen2.5-Omni", gated_mlp=True, **_QWEN),
-    "Qwen3VLVisionModel": HFTowerRule(family="Qwen3-VL", **_QWEN3),
-    "Qwen3VLMoeVisionModel": HFTowerRule(family="Qwen3-VL-MoE", **_QWEN3),
-    "Qwen3OmniMoeVisionEncoder": HFTowerRule(family="Qwen3-Omni-MoE", **_QWEN3),
-    "Qwen3_5VisionModel": HFTowerRule(family="Qwen3.5", **_QWEN),
-    "Qwen3_5MoeVisionModel": HFTowerRule(family="Qwen3.5-MoE", **_QWEN),
-    "Qwen4ExpVisionModel": HFTowerRule(family="Qwen4-Exp", **_QWEN),
-    "CohereCompassVisionModel": HFTowerRule(family="Cohere-Compass", **_QWEN3),
-    "Exaone4_5_VisionModel": HFTowerRule(family="EXAONE-4.5", gated_mlp=True, **_QWEN),
+    "Qwen2_5OmniVisionEncoder": HFTowerRule(family="Qwen2.5-Omni", **_QWEN2_5),
+    "Qwen3VLVisionModel": HFTowerRule(family="Qwen3-VL", **_QWEN3_BANDS),
+    "Qwen3VLMoeVisionModel": HFTowerRule(family="Qwen3-VL-MoE", **_QWEN3_BANDS),
+    "Qwen3OmniMoeVisionEncoder": HFTowerRule(family="Qwen3-Omni-MoE", **_QWEN3_BANDS),
+    "Qwen3_5VisionModel": HFTowerRule(family="Qwen3.5", bands="qwen3", **_QWEN),
+    "Qwen3_5MoeVisionModel": HFTowerRule(family="Qwen3.5-MoE", bands="qwen3", **_QWEN),
+    "Qwen4ExpVisionModel": HFTowerRule(family="Qwen4-Exp", bands="qwen3", **_QWEN),
+    "CohereCompassVisionModel": HFTowerRule(family="Cohere-Compass", **_QWEN3_BANDS),
+    "Exaone4_5_VisionModel": HFTowerRule(family="EXAONE-4.5", **_QWEN2_5),
     "Dots3NoteVisionModel": HFTowerRule(
         family="dots3-note",
         dims=lambda c: (c.hidden_size, c.intermediate_size, c.adapter_out_dim),
@@ -187,8 +194,8 @@ SHIPPED_RULES: dict[str, HFTowerRule] = {
         pixel_shape=lambda c: (c.num_channels, c.patch_size, c.patch_size),
         **_PROJECTED,
     ),
-    "Glm4vVisionModel": HFTowerRule(family="GLM-4.1V, GLM-4.6V", **_GLM),
-    "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", **_GLM),
+    "Glm4vVisionModel": HFTowerRule(family="GLM-4.1V, GLM-4.6V", bands="glm", **_GLM),
+    "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", bands="glm", **_GLM),
     "GlmOcrVisionModel": HFTowerRule(family="GLM-OCR", **dict(_GLM, dims=_qwen_dims)),
     "Glm5NextVisionModel": HFTowerRule(family="GLM-5-Next", **dict(_GLM, dims=_qwen_dims)),
 }
