@@ -13,6 +13,8 @@ class Exact:
 
     videos: bool = True
     """The family takes videos (the test feeds it one)."""
+    bands: bool = False
+    """Its tower runs row bands of a frame (a split rule): the test splits one too."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,32 +30,32 @@ class Refused:
 
 
 FAMILIES = {
-    "cohere_compass": Exact(),
+    "cohere_compass": Exact(bands=True),
     "cosmos3_edge": Exact(),
     "dots3_note": Exact(),
     "ernie4_5_vl_moe": Exact(),
-    "exaone4_5": Exact(),
+    "exaone4_5": Exact(bands=True),
     "glm5_next": Exact(),
     "lfm3_vl": Exact(),
     "minimax_m3_vl": Exact(),
     "muse_glimmer": Exact(),
     "muse_spark": Exact(),
     "paddleocr_vl": Exact(videos=False),
-    "cosmos3_omni": Exact(),
-    "glm46v": Exact(),
-    "glm4v": Exact(),
-    "glm4v_moe": Exact(),
+    "cosmos3_omni": Exact(bands=True),
+    "glm46v": Exact(bands=True),
+    "glm4v": Exact(bands=True),
+    "glm4v_moe": Exact(bands=True),
     "glm_ocr": Exact(),
-    "hyperclovax_vision_v2": Exact(),
-    "qwen2_5_omni": Exact(),
-    "qwen2_5_vl": Exact(),
-    "qwen2_vl": Exact(),
-    "qwen3_5": Exact(),
-    "qwen3_5_moe": Exact(),
-    "qwen3_omni_moe": Exact(),
-    "qwen3_vl": Exact(),
-    "qwen3_vl_moe": Exact(),
-    "qwen4_exp": Exact(),
+    "hyperclovax_vision_v2": Exact(bands=True),
+    "qwen2_5_omni": Exact(bands=True),
+    "qwen2_5_vl": Exact(bands=True),
+    "qwen2_vl": Exact(bands=True),
+    "qwen3_5": Exact(bands=True),
+    "qwen3_5_moe": Exact(bands=True),
+    "qwen3_omni_moe": Exact(bands=True),
+    "qwen3_vl": Exact(bands=True),
+    "qwen3_vl_moe": Exact(bands=True),
+    "qwen4_exp": Exact(bands=True),
     "colqwen2": Refused("ColQwen2ForRetrieval"),
     "glm_image": Refused("GlmImageVisionModel"),
     "hunyuan_vl": Refused("HunYuanVLVisionTransformer"),
@@ -75,6 +77,7 @@ def markdown_table() -> str:
     for name, entry in sorted(FAMILIES.items()):
         if isinstance(entry, Exact):
             outcome = "exact" if entry.videos else "exact (takes no videos)"
+            outcome += ", bands" if entry.bands else ""
             rows.append(f"| `{name}` | {outcome} | |")
         else:
             rows.append(f"| `{name}` | refused | `{entry.cls}`: {entry.reason} |")

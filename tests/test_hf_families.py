@@ -67,7 +67,13 @@ def _step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return out.logits.detach(), flat
 
 
-def _family_balanced_vs_local(rank: int, model_type: str, videos: bool) -> dict:
+# A split step: rank 0's one image of 1,024 patches binds the step; planned by l**2 (which prices
+# no exchange) with bands of 64 patches or more, it is split across both ranks.
+SPLIT_STEP = [([(1, 32, 32)], []), ([(1, 4, 4)], [])]
+SPLIT = fx_vitbal.BalanceConfig(cost_model="quadratic", min_band_patches=64)
+
+
+def _family_balanced_vs_local(rank: int, model_type: str, videos: bool, bands: bool) -> dict:
     zoo = _zoo(model_type)
     model = zoo.build()
     steps = STEPS if getattr(zoo, "MIXED_OK", True) else UNMIXED_STEPS
@@ -83,7 +89,20 @@ def _family_balanced_vs_local(rank: int, model_type: str, videos: bool) -> dict:
         max(_difference(got, want) for got, want in zip(b, r, strict=True))
         for b, r in zip(balanced, reference, strict=True)
     ]
-    return {"differences": differences, "moves": moves}
+    tower = next(m for m in model.modules() if hasattr(m, "_vitbal_hf"))
+    result = {"differences": differences, "moves": moves, "runs_bands": tower._vitbal_hf.bands}
+    if bands:  # the same family, one frame split across the ranks
+        model = zoo.build()
+        batch = zoo.batch(model, *SPLIT_STEP[rank], seed=rank)
+        want = _step(model, batch)
+        fx_vitbal.enable_vit_balance(model, config=SPLIT)
+        stats = []
+        handle = fx_vitbal.add_stats_callback(stats.append)
+        got = _step(model, batch)
+        handle.remove()
+        result["differences"].append(max(map(_difference, got, want)))
+        result["split_units"] = stats[-1].split_units
+    return result
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -93,25 +112,30 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _all_families(rank: int, world: int, families: list) -> dict:
     results = {}
-    for model_type, videos in families:
+    for model_type, videos, bands in families:
         try:
-            results[model_type] = _family_balanced_vs_local(rank, model_type, videos)
+            results[model_type] = _family_balanced_vs_local(rank, model_type, videos, bands)
         except Exception as error:  # the next family still runs: one report names them all
             results[model_type] = {"error": f"{type(error).__name__}: {error}"}
     return results
 
 
 def test_supported_families_are_exact_on_two_ranks():
-    families = [(name, e.videos) for name, e in FAMILIES.items() if isinstance(e, Exact)]
+    """Split-capable families (their tower runs row bands) also with one frame split across the
+    ranks; a family whose rule says it runs bands and the table says not (or the reverse)
+    fails."""
+    families = [(name, e.videos, e.bands) for name, e in FAMILIES.items() if isinstance(e, Exact)]
     results = run_ranks(_all_families, 2, families, timeout=600.0)
     problems = []
-    for model_type, _ in families:
+    for model_type, _, bands in families:
         per_rank = [r[model_type] for r in results]
         for rank, res in enumerate(per_rank):
             if "error" in res:
                 problems.append(f"{model_type} rank {rank}: {res['error']}")
             elif max(res["differences"]) > 1e-5:
                 problems.append(f"{model_type} rank {rank}: differs by {res['differences']}")
+            elif res["runs_bands"] != bands or res.get("split_units", 2) != 2:
+                problems.append(f"{model_type} rank {rank}: bands {bands}, got {res}")
         moved = [sum(res.get("moves", [])) for res in per_rank]
         if not any(moved):
             problems.append(f"{model_type}: no unit moved (a passthrough also matches)")
