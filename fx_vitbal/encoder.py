@@ -149,7 +149,7 @@ def _balanced_call(
         image_grid_thw = torch.empty(0, 3, dtype=torch.long, device=pixel_values.device)
 
     def run(pixels, grid, bands):
-        kwargs = {} if bands is None else {"vitbal_bands": bands}
+        kwargs = {"vitbal_bands": bands} if bands is not None and bands.split else {}
         embeds, window_index, deepstack = call(pixels, grid, **kwargs)
         return [embeds, *deepstack], window_index
 

@@ -231,7 +231,9 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         if rule.pixel_shape is not None:
             rows = rows.reshape(-1, *rule.pixel_shape(tower.config))
         fed = rows.unsqueeze(0) if rule.batched_pixels else rows
-        extra = {} if split is None else hf_bands.band_kwargs(tower, rule.bands, split, rows.device)
+        extra = {}
+        if bands and split is not None:  # the tower's inputs from the plan's host copy
+            extra = hf_bands.band_kwargs(tower, rule.bands, split, rows.device)
         grid = extra.pop("grid_thw", grid)
         out = original(fed, grid_thw=grid, return_dict=True, **kwargs, **extra)
         return restored_rows(rule, out), out

@@ -91,7 +91,7 @@ def band_attention(
         rows = torch.cat([key, value], -1)[0].transpose(0, 1)  # one row per patch
         key, value = vitbal_bands.gather(rows).transpose(0, 1)[None].chunk(2, -1)
         queries, keys = map(list, zip(*vitbal_lengths, strict=True))
-    elif vitbal_lengths is not None:  # a step with bands, a layer that exchanges nothing
+    elif vitbal_lengths is not None:  # lengths from the host: a balanced call
         queries = vitbal_window_lengths if not module._vitbal_exchanges else None
         queries = queries or [q for q, _ in vitbal_lengths]
         keys = queries
@@ -119,9 +119,10 @@ def band_attention(
 
 
 def band_kwargs(tower: nn.Module, recipe: str, bands: Bands, device: torch.device) -> dict:
-    """The tower's kwargs for a balanced batch with bands (module doc), all made on the host
-    from ``bands`` and copied to ``device`` without waiting; ``grid_thw`` among them for GLM-4V
-    (its position embedding reads each segment's image shape: the whole frame's)."""
+    """The tower's kwargs for a balanced batch (module doc), bands or not, all made on the host
+    from ``bands`` and copied to ``device`` without waiting, so the tower reads no grid back;
+    ``grid_thw`` among them for GLM-4V (its position embedding reads each segment's image
+    shape: the whole frame's)."""
     from transformers import vision_utils
 
     merge = tower.spatial_merge_size
@@ -141,7 +142,9 @@ def band_kwargs(tower: nn.Module, recipe: str, bands: Bands, device: torch.devic
         "position_ids": vision_utils.get_vision_position_ids(frames, merge)[keep],
         "cu_seqlens": _cumulative(queries),
     }
-    made = {"max_seqlen": max(queries), "vitbal_bands": bands, "vitbal_lengths": lengths}
+    made = {"max_seqlen": max(queries), "vitbal_lengths": lengths}
+    if bands.split:
+        made["vitbal_bands"] = bands
     if recipe == "qwen2_5":  # windows of the batch as it is: a band starts at a whole window
         window_index, cu_windows = vision_utils.get_vision_window_index(
             batch, merge, tower.window_size, tower.patch_size

@@ -96,7 +96,8 @@ class BandUnit:
 
 class Bands:
     """What a tower running bands is told, as its ``vitbal_bands`` keyword (``fx_vitbal.Bands``),
-    on a step whose plan splits a frame; on other steps it gets none.
+    on a step whose plan splits a frame (``split``); on other steps it gets none. (A runner that
+    precomputes a tower's grid-derived inputs reads ``units`` on every step.)
 
     ``units[i]`` describes the ``i``-th unit (grid row) of the balanced batch it is given: a
     whole unit, or a band of a frame (``first_row``, ``full_rows``): its positions are the
@@ -108,10 +109,15 @@ class Bands:
     anyway), and never in a window layer (windows stay inside a band).
     """
 
-    def __init__(self, units: list[BandUnit], layout: torch.Tensor, group_name: str) -> None:
+    def __init__(self, units: list[BandUnit], layout: torch.Tensor | None, group_name: str) -> None:
         self.units = units
         self.layout = layout
         self.group_name = group_name
+
+    @property
+    def split(self) -> bool:
+        """Whether this step's plan splits a frame (``gather`` may only be called then)."""
+        return self.layout is not None
 
     @property
     def key_rows(self) -> list[int]:
@@ -122,6 +128,11 @@ class Bands:
         """``x`` (one row per local patch, in batch order) as the rows each unit attends over:
         a collective of the balancing group, with autograd (see the class doc)."""
         return torch.ops.vitbal.band_gather(x, self.layout, self.group_name)
+
+
+def whole_units(rows: Sequence[Sequence[int]]) -> list[BandUnit]:
+    """The ``BandUnit``s of a batch of whole units, from its grid rows ``(t, h, w)``."""
+    return [BandUnit(t, h, 0, h, w) for t, h, w in rows]
 
 
 def band_layout(

@@ -58,8 +58,8 @@ def run_balanced(
     whose trainable parameters' gradients mark the end of its backward for the measured times
     (``fx_vitbal.measure.clock``; eager only: compiled calls report no time). ``problem``: a
     ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank. ``bands``:
-    ``run`` can run row bands of a frame (``runtime.bands``; eager only): on a step whose plan
-    splits one it gets the ``Bands``, else None.
+    ``run`` can run row bands of a frame (``runtime.bands``; eager only): it gets the batch's
+    ``Bands`` (``Bands.split`` on a step whose plan splits a frame), else None.
 
     Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
     never waits for the ViT (``ops.restore``).
@@ -93,7 +93,7 @@ def run_balanced(
         if not route.any_units:
             return (*_without_images(run, pixel_values, route, area, grad_without_images), routing)
         if not route.applied and pixel_values.shape[0]:  # skipped on every rank: no copies
-            return (*run(pixel_values, grid, None), routing)
+            return (*run(pixel_values, grid, getattr(routing, "_vitbal_bands", None)), routing)
         pixel_values = _taking_part(pixel_values, route)
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
     outputs, extra = run(pixels, grid, getattr(routing, "_vitbal_bands", None))

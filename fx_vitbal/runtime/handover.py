@@ -119,7 +119,7 @@ def step_outputs(
         not problem
         and settings == planned.settings
         and replicas == planned.replicas
-        and (bands or split is None)
+        and (bands or split is None or not split.split)
         and _same_shapes(planned.batch, pixel_values, grid_thw, grad_fixed)
     )
     if not route.applied:  # nothing moves anywhere: this rank's own batch, as it is
@@ -160,7 +160,7 @@ def step_outputs(
         return grid, planned.routing
     routing = route.repacked(planned.routing, mismatched=mismatched, max_units=units)
     routing._vitbal_clock = getattr(planned.routing, "_vitbal_clock", None)
-    if bands and split is not None:  # the exchange runs in lockstep, planned batch or not
+    if bands and split is not None:  # an exchange runs in lockstep, planned batch or not
         routing._vitbal_bands = split
     if not mismatched:
         routing._vitbal_home_grid = planned.batch[3]

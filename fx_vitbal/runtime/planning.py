@@ -24,7 +24,7 @@ from fx_vitbal.plan.replicas import as_held, solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.plan.units import Plan, is_band, unit_rows
 from fx_vitbal.runtime import handover, status, transfer
-from fx_vitbal.runtime.bands import Bands, band_layout
+from fx_vitbal.runtime.bands import Bands, band_layout, whole_units
 from fx_vitbal.runtime.collectives import group_ranks, resolve_group
 from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
 from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
@@ -198,11 +198,15 @@ def solve_for_rank(
     routing = route.to_tensor(max_units(pixel_values.shape[0], merge_size))
     routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
     routing._vitbal_home_grid = gathered.grids_R[rank]  # ``vits.regenerate_window_index``
-    if any(is_band(u) for units in units_O for u in units):  # the ViT's ``vitbal_bands``
+    # The batch as the ViT gets it (``Bands``): its units, and on a step that splits a frame
+    # the exchange of the frame's keys and values.
+    if any(is_band(u) for units in units_O for u in units):
         band_units, layout = band_layout(
             units_O, computed_by, arrivals, rank, world_size, merge_size
         )
         routing._vitbal_bands = Bands(band_units, layout.to_tensor(), group.group_name)
+    else:
+        routing._vitbal_bands = Bands(whole_units(rows), None, group.group_name)
     defer(call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model))
     if not route.applied:  # nothing moves: the gather was the call's last collective
         publish(call_id)
