@@ -9,18 +9,19 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import record_collectives, record_moves, run_ranks
+from dist_utils import record_collectives, record_moves, run_ranks, train_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost
+from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 from fx_vitbal.plan.bands import BandRule, exchange_scale
 from fx_vitbal.plan.units import is_band, unit_rows
 from fx_vitbal.runtime.planning import plan_units
 from fx_vitbal.runtime.settings import band_rule_of, planner_spec_for
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
-from fx_vitbal.tools.omni import make_inputs
+from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
 # The tiny test tower's exchange would cost more than its compute at H100 speeds (the
 # architecture model prices it so): the l**2 model, which prices no exchange, lets it split.
@@ -220,3 +221,57 @@ def test_bands_give_the_unsplit_outputs_and_gradients_on_every_rank(world, windo
     assert issued.count(("forward", "all_to_all")) == 2 + full_layers
     assert issued.count(("backward", "all_to_all")) == 2 + full_layers  # + pixel gradients
     assert whole.count(("forward", "all_to_all")) <= 2
+
+
+def _paths(rank: int, world: int) -> dict:
+    """In place, planned ahead and through the FX pass (which plans whole frames) on the
+    reference VLM, then replica sets (2 x 2) on the bare ViT: each against the unsplit run."""
+    grids = GRIDS[4][rank]
+
+    def model():
+        torch.manual_seed(0)
+        vit = ViTConfig(deepstack_indexes=(0,), depth=3, **WINDOWS)
+        return OmniEncoderModel(vit, LMConfig(num_layers=1))
+
+    want = train_step(model(), grids, rank)
+    stats = []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    results = {}
+    in_place = fx_vitbal.enable_vit_balance(model(), config=CONFIG)
+    results["in_place"] = (train_step(in_place, grids, rank), stats[-1].split_units)
+    planned_model = fx_vitbal.enable_vit_balance(model(), config=CONFIG)
+    _, pixels, grid = make_inputs(grids, in_dim=24, seed=rank)
+    group = dist.new_group(backend="gloo")
+    planned = fx_vitbal.plan_ahead(planned_model, pixels.to("meta"), grid, group=group)
+    fx_vitbal.use_plan(planned_model, planned)
+    with record_collectives() as issued:
+        step = train_step(planned_model, grids, rank)
+    gathers = sum(name == "all_gather" for _, name, _, _ in issued)
+    results["ahead"] = (step, planned.plan.applied and stats[-1].split_units, gathers)
+    gm = apply_vit_balance_pass(symbolic_trace(model()), config=CONFIG)
+    results["fx"] = (train_step(gm, grids, rank), stats[-1].split_units)
+    handle.remove()
+    # Replica sets: ranks 0 and 1 hold the big frame, 2 and 3 a small batch.
+    sets = [[0, 1], [2, 3]]
+    vit = _vit(windows=False)
+    _, pixels, grid = make_inputs(GRIDS[2][rank // 2], in_dim=24, seed=rank // 2)
+    embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(
+        vit, pixels, grid, config=CONFIG, replica_group=sets[rank // 2]
+    )
+    results["replicas"] = (embeds, vit(pixels, grid)[0])
+    return {"want": want, **results}
+
+
+def test_in_place_planned_ahead_and_replica_sets_split_exactly_and_fx_graphs_plan_frames():
+    results = run_ranks(_paths, 4)
+    for rank, res in enumerate(results):
+        want_logits, want_grads = res["want"]
+        for path in ("in_place", "ahead", "fx"):
+            (logits, grads), *split = res[path]
+            for got, want in ((logits, want_logits), (grads, want_grads)):
+                error = (got - want).abs().max() / want.abs().max()
+                assert error <= 1e-5, (rank, path, float(error))
+        assert res["in_place"][1] == 4 and res["ahead"][1] == 4 and res["ahead"][2] <= 1
+        assert res["fx"][1] == 0  # an FX graph's plan node does not run bands: whole frames
+        embeds, want = res["replicas"]
+        assert (embeds - want).abs().max() <= 1e-5 * want.abs().max()

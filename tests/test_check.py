@@ -1,5 +1,7 @@
 """check_vision_encoder: which ViTs keep the promises balancing relies on, and what it names."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -252,3 +254,29 @@ def test_bad_arguments_raise():
         check_vision_encoder(_tiny(), in_dim=IN_DIM, grids=[[1, 2, 3]])
     with pytest.raises(TypeError, match="spatial_merge_size"):
         check_vision_encoder(nn.Linear(IN_DIM, 4), in_dim=IN_DIM)
+
+
+class _BandsIgnored(QwenStyleViT):
+    """Declared as running bands (its class is registered so), but ``what`` it drops."""
+
+    what = ""
+
+    def forward(self, pixel_values, image_grid_thw, vitbal_bands=None):
+        if vitbal_bands is not None and self.what == "first_row":
+            vitbal_bands.units = [dataclasses.replace(u, first_row=0) for u in vitbal_bands.units]
+        if self.what == "gather":
+            vitbal_bands = None
+        return super().forward(pixel_values, image_grid_thw, vitbal_bands)
+
+
+@pytest.mark.parametrize("what", ["first_row", "gather"])
+def test_a_vit_that_declares_bands_but_breaks_them_is_named(what):
+    """Bands run in one process: a frame as three bands (each over the frame's keys and values)
+    must give the frame's outputs; the reference ViT does (windows too), a ViT that places bands
+    at row 0 or attends within its band only does not."""
+    for config in (ViTConfig(), ViTConfig(window_size=2, fullatt_block_indexes=(1,))):
+        assert fx_vitbal.check_vision_encoder(QwenStyleViT(config)).ok
+    vit = _BandsIgnored(ViTConfig(deepstack_indexes=(0,)))
+    vit.what = what
+    report = fx_vitbal.check_vision_encoder(vit)
+    assert [p for p in report.problems if p.startswith("band promise broken")], report

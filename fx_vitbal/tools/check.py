@@ -2,11 +2,14 @@
 
 Balancing is exact only if the ViT keeps two promises: every unit (grid row) gets outputs that
 depend only on its own pixel rows, and, when frames are declared independent, every frame of a
-video gets outputs that depend only on that frame. ``check_vision_encoder`` runs a copy of the
-ViT on a random mixed batch, then on each unit and each frame alone, and names what differs. It
-runs in one process and never touches the user's module. A Hugging Face tower is checked through
-its ``HFTowerRule``: the fields the rule restores are its outputs, and the rule's merge size,
-pixel width and frame independence are the defaults.
+video gets outputs that depend only on that frame. A ViT that runs row bands of a frame
+(``BandSupport``, or a Hugging Face rule's ``bands``) keeps a third: a frame computed as bands,
+each attending over the whole frame's keys and values, gives the frame's outputs.
+``check_vision_encoder`` runs a copy of the ViT on a random mixed batch, then on each unit and
+each frame alone, then on one frame as three bands, and names what differs. It runs in one
+process (the bands' exchange stays local) and never touches the user's module. A Hugging Face
+tower is checked through its ``HFTowerRule``: the fields the rule restores are its outputs, and
+the rule's merge size, pixel width, frame independence and band recipe are the defaults.
 """
 
 import copy
@@ -16,9 +19,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from fx_vitbal.integrations import hf_bands
 from fx_vitbal.integrations.hf import is_hf_model
 from fx_vitbal.integrations.hf_outputs import restored_rows
 from fx_vitbal.integrations.hf_towers import HFTowerRule, hf_tower_rule
+from fx_vitbal.runtime.bands import LOCAL, BandLayout, Bands, BandUnit
 from fx_vitbal.runtime.vits import (
     plain_forward,
     regenerate_window_index,
@@ -109,13 +114,16 @@ def check_vision_encoder(
             with ``raise_on_failure``, a promise is broken (the message is the report).
     """
     rule = _hf_rule(vit)
+    inner = unwrap_module(vit)
     if rule is not None:
-        m, declared = rule.merge_size(unwrap_module(vit)), rule.frames_independent
+        m, declared = rule.merge_size(inner), rule.frames_independent
         if in_dim is None:
-            in_dim = rule.pixel_width(unwrap_module(vit).config)
+            in_dim = rule.pixel_width(inner.config)
+        align = None if rule.bands is None else hf_bands.band_support(inner, rule.bands, 1)[0]
     else:
         spec = vision_encoder_spec(vit)  # unregistered: frames not independent
         m, declared = spec.merge_size(vit), spec.frame_independent
+        align = None if spec.bands is None else spec.bands.of(inner)[0]
     if in_dim is None:
         in_dim = getattr(getattr(vit, "config", None), "in_dim", None)
     if in_dim is None:
@@ -130,6 +138,8 @@ def check_vision_encoder(
         model, pixels = _copy_for_check(vit, grids, in_dim, seed)
         checker = _Checker(model=model, m=m, atol=atol, rtol=rtol)
         layouts = _check(checker, pixels, grids, frame_independent)
+        if align is not None:
+            _check_bands(checker, (1, 3 * align, 2 * m), in_dim, seed, pixels.dtype)
     report = VisionEncoderReport(
         encoder=type(vit).__qualname__,
         grids=tuple(grids),
@@ -154,12 +164,13 @@ class _Checker:
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def outputs(
-        self, pixels: Tensor, grids: list[tuple[int, int, int]], where: str
+        self, pixels: Tensor, grids: list[tuple[int, int, int]], where: str, bands=None
     ) -> tuple[list[Tensor], Tensor | None] | None:
-        """``([embeds, *deepstack] in input order, window_index)`` of one call, or None (problem
-        noted) when the ``window_index`` is not a permutation of the merge blocks."""
+        """``([embeds, *deepstack] in input order, window_index)`` of one call (of ``bands``, a
+        ``Bands``, when given), or None (problem noted) when the ``window_index`` is not a
+        permutation of the merge blocks."""
         grid_thw = torch.tensor(grids, dtype=torch.long, device=pixels.device)
-        embeds, window_index, deepstack = _call(self.model, pixels, grid_thw)
+        embeds, window_index, deepstack = _call(self.model, pixels, grid_thw, bands)
         outputs = [embeds, *deepstack]
         if window_index is None:
             return outputs, None
@@ -282,6 +293,44 @@ def _check(
     return layouts
 
 
+def _check_bands(
+    checker: _Checker, frame: tuple[int, int, int], in_dim: int, seed: int, dtype: torch.dtype
+) -> None:
+    """The band promise: ``frame`` computed as three bands of its aligned rows, in one batch
+    whose exchange of keys and values stays local, gives the frame's outputs run alone."""
+    t, h, w = frame
+    rows = h // 3
+    generator = torch.Generator().manual_seed(seed + 1)
+    pixels = torch.randn(t * h * w, in_dim, generator=generator, dtype=torch.float64)
+    device = next((p.device for p in checker.model.parameters()), torch.device("cpu"))
+    pixels = pixels.to(device=device, dtype=dtype)
+    whole = checker.outputs(pixels, [frame], f"frame {list(frame)} alone")
+    units = [BandUnit(1, rows, i * rows, h, w) for i in range(3)]
+    pieces = [(LOCAL, 0, t * h * w)] * 3  # every band attends over the whole (local) frame
+    layout = BandLayout(send=[], in_splits=[0], out_splits=[0], pieces=pieces).to_tensor()
+    bands = _LocalBands(units, layout, "")
+    banded = checker.outputs(pixels, [(1, rows, w)] * 3, f"frame {list(frame)} in bands", bands)
+    if whole is None or banded is None:
+        return
+    for k, (have, want) in enumerate(zip(banded[0], whole[0], strict=True)):
+        if have.shape != want.shape or not torch.allclose(
+            have, want, rtol=checker.rtol, atol=checker.atol
+        ):
+            checker.problems.append(
+                f"band promise broken: {_output_name(k)} of frame {list(frame)} computed as 3 "
+                f"bands of {rows} rows (each over the whole frame's keys and values) differs "
+                "from the frame run alone (positions from Bands.units' first_row? keys and "
+                "values from Bands.gather in every layer attending over whole frames?)"
+            )
+
+
+class _LocalBands(Bands):
+    """``Bands`` of one process holding every band of a frame: ``gather`` is local."""
+
+    def gather(self, x: Tensor) -> Tensor:
+        return torch.cat([x[a:b] for _, a, b in BandLayout.of(self.layout).pieces])
+
+
 def _hf_rule(vit: nn.Module) -> HFTowerRule | None:
     """The rule of a Hugging Face tower (None for other ViTs).
 
@@ -292,14 +341,20 @@ def _hf_rule(vit: nn.Module) -> HFTowerRule | None:
     return hf_tower_rule(type(inner)) if is_hf_model(inner) else None
 
 
-def _call(model: nn.Module, pixels: Tensor, grid_thw: Tensor) -> tuple:
+def _call(model: nn.Module, pixels: Tensor, grid_thw: Tensor, bands: Bands | None = None):
     # A ViT wrapped by enable_vit_balance would start collectives: call the plain forward.
     rule = _hf_rule(model)
     if rule is not None:  # the fields the rule restores, as the contract's triple
-        out = plain_forward(model)(pixels, grid_thw=grid_thw, return_dict=True)
+        kwargs = {}
+        if bands is not None:  # the rule's recipe, as a balanced call runs it
+            hf_bands.install(unwrap_module(model), rule.bands)
+            kwargs = hf_bands.band_kwargs(unwrap_module(model), rule.bands, bands, pixels.device)
+            grid_thw = kwargs.pop("grid_thw", grid_thw)
+        out = plain_forward(model)(pixels, grid_thw=grid_thw, return_dict=True, **kwargs)
         values = restored_rows(rule, out)
         return values[0], None, values[1:]
-    result = plain_forward(model)(pixels, grid_thw)
+    kwargs = {} if bands is None else {"vitbal_bands": bands}
+    result = plain_forward(model)(pixels, grid_thw, **kwargs)
     if not (isinstance(result, tuple | list) and len(result) == 3):
         raise TypeError(
             f"{type(model).__qualname__}(pixel_values, image_grid_thw) must return "
