@@ -67,7 +67,7 @@ def _plan(grids, split: bool = True, **config):
     config = fx_vitbal.BalanceConfig(split_images=split, **config)
     spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280))
     rule = band_rule_of(spec)
-    return plan_units(grids, 0, spec, bands=rule, band_scale=exchange_scale(False, False))
+    return plan_units(grids, 0, spec, bands=rule, band_scale=exchange_scale(False))
 
 
 grids_strategy = st.lists(

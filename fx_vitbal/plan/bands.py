@@ -11,8 +11,8 @@ To the planner a band is one more unit, with its rows and its cost: the frame's 
 rows (a band of ``n`` of the frame's ``N`` rows attends from ``n`` queries to ``N`` keys, so its
 attention pairs ``n*N`` sum to the frame's ``N**2``, and its linear work is its rows), plus the
 price of its exchange when the cost model has a scale for bytes (``BandRule.price``). Granularity
-goes cheapest first: whole units and frames (``solve_plan``), then bands of the costliest frame,
-one frame at a time, kept only while the predicted makespan falls by ``min_gain`` each time.
+goes cheapest first: whole units and frames (``solve_plan``), then bands of every frame that
+binds the step alone, kept only when the predicted makespan falls by ``min_gain``.
 
 Deterministic like every plan: the same units give the same bands on every rank.
 """
@@ -21,16 +21,15 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from fx_vitbal.plan.units import Band, Plan, is_band, unit_rows
-
-# At most this many frames are split in one plan: each try re-solves the plan.
-MAX_SPLIT_FRAMES = 4
+from fx_vitbal.plan.units import Band, Plan, is_band
 
 # What one all_to_all and one byte cost, in multiply-accumulates of a ViT, on an H100-class GPU:
-# bf16 dense 989 TFLOP/s (NVIDIA's datasheet) at ~40% MFU is ~2e14 MAC/s; NVLink all-to-all moves
-# ~350 GB/s at ~11 us a collective, one 400 Gb/s InfiniBand NIC ~48 GB/s
-# (../shared/notes/bands.md: this model reproduces torchtitan's 82,944-patch speed-ups within 1%).
+# bf16 dense 989 TFLOP/s (NVIDIA's datasheet) at ~40% MFU is ~2e14 MAC/s, and a forward MAC costs
+# three in training (the backward, ~2x the forward); NVLink all-to-all moves ~350 GB/s at ~11 us a
+# collective, one 400 Gb/s InfiniBand NIC ~48 GB/s (../shared/notes/bands.md: this model
+# reproduces torchtitan's 82,944-patch speed-ups within 2%).
 MACS_PER_SECOND = 2e14
+TRAINING_MACS_PER_FORWARD_MAC = 3
 NVLINK_BYTES_PER_SECOND = 350e9
 INFINIBAND_BYTES_PER_SECOND = 48e9
 COLLECTIVE_SECONDS = 11e-6
@@ -91,9 +90,14 @@ def solve_with_bands(
     num_ranks: int,
     min_gain: float,
     collective_cost: float = 0.0,
+    max_bands: int | None = None,
 ) -> tuple[Plan, object, list[list[tuple]]]:
-    """``solve``'s plan of ``units_O``, or of ``units_O`` with its costliest frames split into
-    bands when that lowers the predicted makespan by ``min_gain`` each time.
+    """``solve``'s plan of ``units_O``, or of ``units_O`` with the frames that bind the step
+    split into bands, when that lowers the predicted makespan by ``min_gain``.
+
+    A frame binds when it costs more than the mean load (no plan of whole units ends below its
+    cost); each is split into as many bands as bring it to the mean (at most ``max_bands``, one a
+    rank, as the rule's alignment and minimum allow), and the whole step is planned again once.
 
     Args:
         units_O: every owner's units ``(t, h, w)`` (an owner is a rank, or a replica set).
@@ -102,44 +106,39 @@ def solve_with_bands(
             costs and rows.
         rule: the tower's bands, or None: never split.
         num_ranks: the ranks the plan spreads over.
-        min_gain: the relative makespan reduction each split must bring.
+        min_gain: the relative makespan reduction the split plan must bring.
         collective_cost: what every rank pays per exchanging layer and direction on a step with
             bands (the collectives are the whole group's), in cost units.
+        max_bands: the most bands a frame is split into (node-aware plans: a node's ranks, so
+            its bands can stay on its node). None: ``num_ranks``.
 
     Returns:
         ``(plan, what solve returned besides it, units)``: the units planned, bands among them
         (a split frame's bands replace it in its owner's list, in order).
     """
     plan, extra = solve(units_O)
+    max_bands = min(num_ranks, max_bands or num_ranks)
     if rule is None or num_ranks < 2:
         return plan, extra, units_O
-    best = (plan, extra, units_O)
-    best_span = _makespan(plan)
     mean = sum(cost_of(u) for units in units_O for u in units) / num_ranks
-    split = units_O
-    for _ in range(MAX_SPLIT_FRAMES):
-        frames = [
-            (cost_of(u), -o, -i)
-            for o, units in enumerate(split)
-            for i, u in enumerate(units)
-            if not is_band(u) and u[0] == 1 and unit_rows(u) >= 2 * rule.min_patches
-        ]
-        if not frames:
-            break
-        cost, o, i = max(frames)
-        o, i = -o, -i
-        if cost <= mean:  # it does not bind the step alone
-            break
-        bands = rule.bands(split[o][i], min(num_ranks, math.ceil(cost / mean)))
-        if len(bands) < 2:
-            break
-        split = [*split[:o], [*split[o][:i], *bands, *split[o][i + 1 :]], *split[o + 1 :]]
-        plan, extra = solve(split)
-        span = _makespan(plan) + 2 * rule.exchange_layers * collective_cost
-        if span >= best_span * (1.0 - min_gain):
-            break
-        best, best_span = (plan, extra, split), span
-    return best
+    split, any_split = [], False
+    for units in units_O:
+        kept = []
+        for u in units:
+            parts = 1
+            if not is_band(u) and u[0] == 1 and cost_of(u) > mean:
+                parts = min(max_bands, math.ceil(cost_of(u) / mean))
+            bands = rule.bands(u, parts) if parts > 1 else [u]
+            any_split |= len(bands) > 1
+            kept += bands if len(bands) > 1 else [u]
+        split.append(kept)
+    if not any_split:
+        return plan, extra, units_O
+    banded, banded_extra = solve(split)
+    span = _makespan(banded) + 2 * rule.exchange_layers * collective_cost
+    if span >= _makespan(plan) * (1.0 - min_gain):
+        return plan, extra, units_O
+    return banded, banded_extra, split
 
 
 def _makespan(plan: Plan) -> float:
@@ -147,15 +146,15 @@ def _makespan(plan: Plan) -> float:
 
 
 def exchange_scale(
-    seconds: bool, cross_node: bool, latency: float = 0.0, seconds_per_byte: float = 0.0
+    seconds: bool, latency: float = 0.0, seconds_per_byte: float = 0.0
 ) -> tuple[float, float] | None:
     """``(bytes per cost unit, cost of one collective)`` for ``BandRule.price``: from a measured
     exchange model when costs are in seconds (``latency``, ``seconds_per_byte``), else from the
-    H100-class constants above for costs in multiply-accumulates (NVLink, or InfiniBand when
-    bands may cross nodes)."""
+    H100-class constants above for costs in forward multiply-accumulates, at NVLink rates (a
+    frame's bands stay on one node where a node-aware plan can keep them there)."""
     if seconds:
         if seconds_per_byte <= 0.0:
             return None
         return 1.0 / seconds_per_byte, latency
-    bandwidth = INFINIBAND_BYTES_PER_SECOND if cross_node else NVLINK_BYTES_PER_SECOND
-    return bandwidth / MACS_PER_SECOND, COLLECTIVE_SECONDS * MACS_PER_SECOND
+    per_second = MACS_PER_SECOND / TRAINING_MACS_PER_FORWARD_MAC  # forward MACs a second
+    return NVLINK_BYTES_PER_SECOND / per_second, COLLECTIVE_SECONDS * per_second

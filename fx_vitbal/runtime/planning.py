@@ -168,7 +168,7 @@ def solve_for_rank(
         exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
         sets=gathered.sets,
         bands=rule,
-        band_scale=_band_scale(cost_model, exchange_model, planner, world_size),
+        band_scale=_band_scale(cost_model, exchange_model),
     )
     call_id = next(_CALL_IDS)
     step, clock = state.begin(solved, units_R, merge_size)
@@ -233,15 +233,14 @@ def _set_destinations(plan: Plan, held: list[list[int]], sets):
     return lambda s, i: where[(s, i)]
 
 
-def _band_scale(cost_model, exchange_model, planner: str, world: int):
+def _band_scale(cost_model, exchange_model):
     """What prices a band's exchange (``plan.bands.exchange_scale``): the measured exchange when
-    costs are in seconds, the H100-class constants when they are in multiply-accumulates (bands
-    may cross nodes when the group spans several), else nothing."""
+    costs are in seconds, the H100-class constants when they are in multiply-accumulates, else
+    nothing (``l**2`` and polynomial costs have no scale for bytes)."""
     if exchange_model is not None:
-        return exchange_scale(True, False, exchange_model.latency, exchange_model.seconds_per_byte)
+        return exchange_scale(True, exchange_model.latency, exchange_model.seconds_per_byte)
     if isinstance(cost_model, ArchitectureCost):
-        per_node = parse_planner_spec(planner)[0].ranks_per_node
-        return exchange_scale(False, per_node is not None and 1 < per_node < world)
+        return exchange_scale(False)
     return None
 
 
@@ -317,6 +316,7 @@ def plan_units(
         num_ranks=len(grids_R),
         min_gain=config.min_gain,
         collective_cost=collective,
+        max_bands=config.ranks_per_node,
     )
     units_R, replica_layout = units_O, None
     if sets is not None:
