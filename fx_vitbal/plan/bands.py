@@ -91,13 +91,16 @@ def solve_with_bands(
     min_gain: float,
     collective_cost: float = 0.0,
     max_bands: int | None = None,
+    computed_by: Callable[[Plan, object], Callable[[int, int], int]] | None = None,
 ) -> tuple[Plan, object, list[list[tuple]]]:
     """``solve``'s plan of ``units_O``, or of ``units_O`` with the frames that bind the step
     split into bands, when that lowers the predicted makespan by ``min_gain``.
 
     A frame binds when it costs more than the mean load (no plan of whole units ends below its
     cost); each is split into as many bands as bring it to the mean (at most ``max_bands``, one a
-    rank, as the rule's alignment and minimum allow), and the whole step is planned again once.
+    rank, as the rule's alignment and minimum allow), and the whole step is planned again. A
+    frame whose bands all land on one rank is put back whole, and the step planned again (a
+    split that moves no work would only add collectives).
 
     Args:
         units_O: every owner's units ``(t, h, w)`` (an owner is a rank, or a replica set).
@@ -111,6 +114,8 @@ def solve_with_bands(
             bands (the collectives are the whole group's), in cost units.
         max_bands: the most bands a frame is split into (node-aware plans: a node's ranks, so
             its bands can stay on its node). None: ``num_ranks``.
+        computed_by: ``(plan, what solve returned besides it) -> ((owner, index) -> the rank
+            computing that unit)``. None: owners are ranks (``plan.destinations``).
 
     Returns:
         ``(plan, what solve returned besides it, units)``: the units planned, bands among them
@@ -134,11 +139,41 @@ def solve_with_bands(
         split.append(kept)
     if not any_split:
         return plan, extra, units_O
-    banded, banded_extra = solve(split)
+    computed_by = computed_by or (lambda p, _: lambda o, i: p.destinations(o)[i])
+    for _ in range(MAX_REPLANS):
+        banded, banded_extra = solve(split)
+        where = computed_by(banded, banded_extra)
+        kept = [_whole_where_idle(units, o, where) for o, units in enumerate(split)]
+        if kept == split:
+            break
+        split = kept
+    if not any(is_band(u) for units in split for u in units):
+        return plan, extra, units_O
     span = _makespan(banded) + 2 * rule.exchange_layers * collective_cost
     if span >= _makespan(plan) * (1.0 - min_gain):
         return plan, extra, units_O
     return banded, banded_extra, split
+
+
+# Plans made while putting back frames whose bands landed on one rank (each puts back at least one).
+MAX_REPLANS = 3
+
+
+def _whole_where_idle(units: list[tuple], owner: int, where) -> list[tuple]:
+    """``units`` with every frame whose bands are all computed on one rank whole again."""
+    out, frame = [], []
+    for i, u in enumerate([*units, None]):
+        if frame and (u is None or not is_band(u) or u.first_row == 0):
+            if len({where(owner, j) for j, _ in frame}) == 1:
+                out.append((1, frame[0][1].full_h, frame[0][1].w))
+            else:
+                out += [band for _, band in frame]
+            frame = []
+        if u is not None and is_band(u):
+            frame.append((i, u))
+        elif u is not None:
+            out.append(u)
+    return out
 
 
 def _makespan(plan: Plan) -> float:

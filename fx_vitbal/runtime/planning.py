@@ -317,6 +317,7 @@ def plan_units(
         min_gain=config.min_gain,
         collective_cost=collective,
         max_bands=config.ranks_per_node,
+        computed_by=None if sets is None else lambda p, held: _set_destinations(p, held, sets),
     )
     units_R, replica_layout = units_O, None
     if sets is not None:
