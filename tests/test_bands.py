@@ -224,8 +224,9 @@ def test_bands_give_the_unsplit_outputs_and_gradients_on_every_rank(world, windo
 
 
 def _paths(rank: int, world: int) -> dict:
-    """In place, planned ahead and through the FX pass (which plans whole frames) on the
-    reference VLM, then replica sets (2 x 2) on the bare ViT: each against the unsplit run."""
+    """In place, planned ahead, through the FX pass and the same graph compiled (which plans
+    whole frames) on the reference VLM, then replica sets (2 x 2) on the bare ViT: each
+    against the unsplit run."""
     grids = GRIDS[4][rank]
 
     def model():
@@ -250,6 +251,10 @@ def _paths(rank: int, world: int) -> dict:
     results["ahead"] = (step, planned.plan.applied and stats[-1].split_units, gathers)
     gm = apply_vit_balance_pass(symbolic_trace(model()), config=CONFIG)
     results["fx"] = (train_step(gm, grids, rank), stats[-1].split_units)
+    # The same graph compiled: traced, its ViT cannot take Bands, so its plan keeps frames whole.
+    compiled = apply_vit_balance_pass(symbolic_trace(model()), config=CONFIG)
+    compiled = torch.compile(compiled, backend="aot_eager")
+    results["compiled"] = (train_step(compiled, grids, rank), stats[-1].split_units)
     handle.remove()
     # Replica sets: ranks 0 and 1 hold the big frame, 2 and 3 a small batch.
     sets = [[0, 1], [2, 3]]
@@ -262,16 +267,16 @@ def _paths(rank: int, world: int) -> dict:
     return {"want": want, **results}
 
 
-def test_in_place_planned_ahead_and_replica_sets_split_exactly_and_fx_graphs_plan_frames():
+def test_in_place_planned_ahead_fx_and_replica_sets_split_exactly_and_compiled_plans_frames():
     results = run_ranks(_paths, 4)
     for rank, res in enumerate(results):
         want_logits, want_grads = res["want"]
-        for path in ("in_place", "ahead", "fx"):
+        for path in ("in_place", "ahead", "fx", "compiled"):
             (logits, grads), *split = res[path]
             for got, want in ((logits, want_logits), (grads, want_grads)):
                 error = (got - want).abs().max() / want.abs().max()
                 assert error <= 1e-5, (rank, path, float(error))
         assert res["in_place"][1] == 4 and res["ahead"][1] == 4 and res["ahead"][2] <= 1
-        assert res["fx"][1] == 0  # an FX graph's plan node does not run bands: whole frames
+        assert res["fx"][1] == 4 and res["compiled"][1] == 0
         embeds, want = res["replicas"]
         assert (embeds - want).abs().max() <= 1e-5 * want.abs().max()

@@ -48,14 +48,19 @@ def insert_plan_and_redistribute(
     active: fx.Node | bool,
     layout_token: fx.Node | int,
     replicas: tuple[int, ...] = (),
+    bands: fx.Node | None = None,
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Add ``plan`` and ``redistribute`` at the insertion point; return the balanced pixels,
     the balanced grid and the routing (shared by both kinds of ViT call). ``active`` (balancing
     on for this call) is a node when the graph decides it as it runs; ``layout_token`` names the
     ViT for its agreed output layouts (``settings.layout_token``); ``replicas``: the group ranks
-    holding this rank's batch (``runtime.replicas``), passed only when there are some."""
+    holding this rank's batch (``runtime.replicas``), passed only when there are some;
+    ``bands``: a node saying whether the ViT call runs row bands (``runtime.bands``), passed
+    only for a ViT that can."""
     args = (pixels, grid, merge, planner, world_size, group_name, active, layout_token)
     kwargs = {"replicas": list(replicas)} if replicas else {}
+    if bands is not None:
+        kwargs["bands"] = bands
     plan = graph.call_function(_PLAN, args, kwargs)
     grid_b = graph.call_function(operator.getitem, (plan, 0))
     routing = graph.call_function(operator.getitem, (plan, 1))

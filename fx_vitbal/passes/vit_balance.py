@@ -24,6 +24,7 @@ from fx_vitbal.passes.subgraph import (
     rewrite_subgraph_call,
     vit_subgraph_calls,
 )
+from fx_vitbal.runtime.bands import bands_of, runs_eagerly
 from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
 from fx_vitbal.runtime.settings import (
     group_name_and_size,
@@ -37,6 +38,7 @@ from fx_vitbal.runtime.vits import (
     is_balanced_in_place,
     regenerate_window_index,
     unwrap_module,
+    vision_encoder_spec,
 )
 
 log = logging.getLogger(__name__)
@@ -193,17 +195,32 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
     bound = inspect.signature(unwrap_module(module).forward).bind(*node.args, **node.kwargs)
     pixels_name, grid_name = list(bound.arguments)[:2]
     pixels, grid = bound.arguments[pixels_name], bound.arguments[grid_name]
+    runs_bands = vision_encoder_spec(module).bands is not None
     with graph.inserting_before(node):
         # Decided as the graph runs: in eval mode (unless when="always") nothing is collective.
         vit = graph.get_attr(node.target)
         active = graph.call_function(in_balancing_mode, (vit, when))
         token = graph.call_function(layout_token, (vit,))
+        eager = graph.call_function(runs_eagerly, ()) if runs_bands else None
         pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph, pixels, grid, merge, planner, world_size, group_name, active, token, replicas
+            graph,
+            pixels,
+            grid,
+            merge,
+            planner,
+            world_size,
+            group_name,
+            active,
+            token,
+            replicas,
+            eager,
         )
+        bands = graph.call_function(bands_of, (routing, eager)) if runs_bands else None
     bound.arguments[pixels_name] = pixels_b
     bound.arguments[grid_name] = grid_b
     node.args, node.kwargs = bound.args, bound.kwargs
+    if runs_bands:  # a ViT that runs bands gets them as the graph runs as Python
+        node.kwargs = {**node.kwargs, "vitbal_bands": bands}
 
     deep_keys = sorted(k for k in uses if len(k) == 2)
     with graph.inserting_before(node.next):  # new nodes land in creation order

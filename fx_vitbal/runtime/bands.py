@@ -130,6 +130,22 @@ class Bands:
         return torch.ops.vitbal.band_gather(x, self.layout, self.group_name)
 
 
+def runs_eagerly() -> bool:
+    """Whether the graph calling this runs as Python (an FX graph the pass rewrote), where its
+    ViT can take ``Bands``; False while dynamo traces it (``torch.compile``), so the plan op it
+    bakes into the compiled graph plans whole frames."""
+    return not torch.compiler.is_compiling()
+
+
+def bands_of(routing: torch.Tensor, eager: bool) -> Bands | None:
+    """The ``Bands`` an FX graph's ViT call gets: the plan's, on a step that splits a frame and
+    a graph running as Python (``runs_eagerly``); else None."""
+    if not eager:
+        return None
+    bands = getattr(routing, "_vitbal_bands", None)
+    return bands if bands is not None and bands.split else None
+
+
 def whole_units(rows: Sequence[Sequence[int]]) -> list[BandUnit]:
     """The ``BandUnit``s of a batch of whole units, from its grid rows ``(t, h, w)``."""
     return [BandUnit(t, h, 0, h, w) for t, h, w in rows]
