@@ -21,7 +21,7 @@ import statistics
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan import bands
-from fx_vitbal.plan.units import is_band, unit_rows
+from fx_vitbal.plan.bands import is_band, unit_rows
 from fx_vitbal.runtime.planning import plan_units
 from fx_vitbal.runtime.settings import KV_BYTES, band_rule_of, planner_spec_for
 from fx_vitbal.tools.simulate import QWEN2_VL_7B

@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.plan.bands import BandRule, exchange_scale
-from fx_vitbal.plan.units import is_band, unit_rows
+from fx_vitbal.plan.bands import BandRule, exchange_scale, is_band, unit_rows
 from fx_vitbal.runtime.planning import plan_units
 from fx_vitbal.runtime.settings import band_rule_of, planner_spec_for
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig

@@ -75,10 +75,11 @@ def test_pixels_out_outputs_to_every_replica_gradients_summed_and_pixel_gradient
     # Pixels out: each rank gets the rows of the units its grid lists (the dummy unit aside).
     arrived = _simulate(routings, [pixels[set_of[r]] for r in range(world)], False, False)
     computed_units = []
-    for r, (route, grid) in enumerate(routed):
+    for r, (route, arrivals) in enumerate(routed):
         assert arrived[r].shape[0] == sum(route.recv_rows)
         if not sum(route.recv_rows):
             continue
+        grid = [units[s][i] for s, i in arrivals]  # the (set, index) of each unit computed here
         assert sum(t * h * w for t, h, w in grid) == arrived[r].shape[0]
         computed_units.append(arrived[r])
     # Each unit once in the group: the rows computed are each set's rows, once.

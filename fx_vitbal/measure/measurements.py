@@ -22,14 +22,15 @@ import collections
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fx_vitbal.cost.exchange_time import ExchangeFit, ExchangeModel
 from fx_vitbal.cost.online import FittedCost, OnlineFit
 from fx_vitbal.cost.static import CostModel, OnlineCost
 from fx_vitbal.measure.clock import StepClock
 from fx_vitbal.measure.stats import BalanceStats, has_callbacks
-from fx_vitbal.plan.units import Plan, is_band, plan_crossing_rows, unit_rows
+from fx_vitbal.plan.bands import is_band, unit_rows
+from fx_vitbal.plan.units import Plan
 
 log = logging.getLogger(__name__)
 
@@ -219,3 +220,17 @@ def reset() -> None:
     ``ValueError`` on every rank (its calls no longer match theirs)."""
     with _STATES_LOCK:
         _STATES.clear()
+
+
+def plan_crossing_rows(plan: Plan, units_R: Sequence[Sequence[tuple]]):
+    """Per rank, pixel rows it sends to other ranks and rows it receives from them under
+    ``plan``, from every rank's units (``crossing_rows`` on the planner's arrays)."""
+    world = len(units_R)
+    send, recv = [0] * world, [0] * world
+    for d, assigned in enumerate(plan.assignment):
+        for src, idx in assigned:
+            if src != d:
+                rows = unit_rows(units_R[src][idx])
+                send[src] += rows
+                recv[d] += rows
+    return send, recv

@@ -20,8 +20,9 @@ Deterministic like every plan: the same units give the same bands on every rank.
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from fx_vitbal.plan.units import Band, Plan, is_band
+from fx_vitbal.plan.units import Plan
 
 # What one all_to_all and one byte cost, in multiply-accumulates of a ViT, on an H100-class GPU:
 # bf16 dense 989 TFLOP/s (NVIDIA's datasheet) at ~40% MFU is ~2e14 MAC/s, and a forward MAC costs
@@ -33,6 +34,29 @@ TRAINING_MACS_PER_FORWARD_MAC = 3
 NVLINK_BYTES_PER_SECOND = 350e9
 INFINIBAND_BYTES_PER_SECOND = 48e9
 COLLECTIVE_SECONDS = 11e-6
+
+
+class Band(NamedTuple):
+    """A band of a frame as a planner unit: ``(1, h, w)`` are its own
+    patch rows and columns (what it moves and what the row cap counts), ``full_h`` the frame's
+    rows, ``first_row`` where it starts in the frame. The bands of one frame are consecutive
+    units of their owner, in order."""
+
+    t: int
+    h: int
+    w: int
+    full_h: int
+    first_row: int
+
+
+def unit_rows(unit: Sequence[int]) -> int:
+    """Pixel rows of a unit ``(t, h, w)`` or a ``Band``."""
+    return unit[0] * unit[1] * unit[2]
+
+
+def is_band(unit: Sequence[int]) -> bool:
+    """Whether a unit is a ``Band`` of a frame (five fields) rather than a whole unit."""
+    return len(unit) == 5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import Sequence
 from functools import reduce
 from itertools import accumulate, chain, compress, pairwise, repeat
-from typing import NamedTuple
 
 import torch
 
@@ -382,40 +381,3 @@ def keeps_row_cap(rows: Sequence[int], counts: Sequence[int], cap: float) -> boo
         return True
     over = compress(counts, map(operator.gt, rows, repeat(cap)))  # still in C
     return all(map(operator.ge, repeat(1), over))
-
-
-def plan_crossing_rows(plan: Plan, units_R: Sequence[Sequence[tuple]]):
-    """Per rank, pixel rows it sends to other ranks and rows it receives from them under
-    ``plan``, from every rank's units (``crossing_rows`` on the planner's arrays)."""
-    world = len(units_R)
-    send, recv = [0] * world, [0] * world
-    for d, assigned in enumerate(plan.assignment):
-        for src, idx in assigned:
-            if src != d:
-                rows = unit_rows(units_R[src][idx])
-                send[src] += rows
-                recv[d] += rows
-    return send, recv
-
-
-class Band(NamedTuple):
-    """A band of a frame as a planner unit (``fx_vitbal.plan.bands``): ``(1, h, w)`` are its own
-    patch rows and columns (what it moves and what the row cap counts), ``full_h`` the frame's
-    rows, ``first_row`` where it starts in the frame. The bands of one frame are consecutive
-    units of their owner, in order."""
-
-    t: int
-    h: int
-    w: int
-    full_h: int
-    first_row: int
-
-
-def unit_rows(unit: Sequence[int]) -> int:
-    """Pixel rows of a unit ``(t, h, w)`` or a ``Band``."""
-    return unit[0] * unit[1] * unit[2]
-
-
-def is_band(unit: Sequence[int]) -> bool:
-    """Whether a unit is a ``Band`` of a frame (five fields) rather than a whole unit."""
-    return len(unit) == 5

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
-from fx_vitbal.plan.units import is_band, unit_rows
+from fx_vitbal.plan.bands import is_band, unit_rows
 from fx_vitbal.runtime import collectives
 from fx_vitbal.runtime.collectives import resolve_group
 
@@ -128,6 +128,23 @@ class Bands:
         """``x`` (one row per local patch, in batch order) as the rows each unit attends over:
         a collective of the balancing group, with autograd (see the class doc)."""
         return torch.ops.vitbal.band_gather(x, self.layout, self.group_name)
+
+
+class _OneProcess(Bands):
+    """``Bands`` whose every band is on this process: ``gather`` is local, no collective."""
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[a:b] for _, a, b in BandLayout.of(self.layout).pieces])
+
+
+def frame_in_bands(frame: tuple[int, int, int], parts: int) -> Bands:
+    """A batch of ``frame`` (``[1, h, w]``) as ``parts`` equal bands, all on this process
+    (``check_vision_encoder``'s band promise): each attends over the whole frame's rows."""
+    _, h, w = frame
+    rows = h // parts
+    pieces = [(LOCAL, 0, h * w)] * parts
+    layout = BandLayout(send=[], in_splits=[0], out_splits=[0], pieces=pieces).to_tensor()
+    return _OneProcess([BandUnit(1, rows, i * rows, h, w) for i in range(parts)], layout, "")
 
 
 def runs_eagerly() -> bool:

@@ -19,10 +19,17 @@ from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.cost.static import ArchitectureCost, CostModel
 from fx_vitbal.measure.measurements import measurements_for
 from fx_vitbal.measure.stats import defer, publish
-from fx_vitbal.plan.bands import BandRule, band_cost, exchange_scale, solve_with_bands
+from fx_vitbal.plan.bands import (
+    BandRule,
+    band_cost,
+    exchange_scale,
+    is_band,
+    solve_with_bands,
+    unit_rows,
+)
 from fx_vitbal.plan.replicas import as_held, solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
-from fx_vitbal.plan.units import Plan, is_band, unit_rows
+from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime import handover, status, transfer
 from fx_vitbal.runtime.bands import Bands, band_layout, whole_units
 from fx_vitbal.runtime.collectives import group_ranks, resolve_group

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fx_vitbal.plan.bands import unit_rows as rows_of
 from fx_vitbal.plan.units import Plan
-from fx_vitbal.plan.units import unit_rows as rows_of
 from fx_vitbal.runtime import transfer
 from fx_vitbal.runtime.rows import DTYPES
 

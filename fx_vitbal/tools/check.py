@@ -1,15 +1,13 @@
 """A local self-check of the ViT contract (DESIGN §3b) before balancing is turned on.
 
-Balancing is exact only if the ViT keeps two promises: every unit (grid row) gets outputs that
-depend only on its own pixel rows, and, when frames are declared independent, every frame of a
-video gets outputs that depend only on that frame. A ViT that runs row bands of a frame
-(``BandSupport``, or a Hugging Face rule's ``bands``) keeps a third: a frame computed as bands,
-each attending over the whole frame's keys and values, gives the frame's outputs.
-``check_vision_encoder`` runs a copy of the ViT on a random mixed batch, then on each unit and
-each frame alone, then on one frame as three bands, and names what differs. It runs in one
-process (the bands' exchange stays local) and never touches the user's module. A Hugging Face
-tower is checked through its ``HFTowerRule``: the fields the rule restores are its outputs, and
-the rule's merge size, pixel width, frame independence and band recipe are the defaults.
+Balancing is exact only if every unit (grid row) gets outputs that depend only on its own pixel
+rows, every frame of a video declared independent only on that frame, and, for a ViT that runs
+row bands (``BandSupport``, a Hugging Face rule's ``bands``), a frame computed as bands (each over
+the whole frame's keys and values) gives the frame's outputs. ``check_vision_encoder`` runs a copy
+on a random mixed batch, then on each unit and frame alone, then on one frame as three bands (the
+exchange local), and names what differs; one process, the user's module untouched. A Hugging Face
+tower is checked through its ``HFTowerRule`` (its restored fields, merge size, pixel width, frame
+independence and band recipe).
 """
 
 import copy
@@ -23,7 +21,7 @@ from fx_vitbal.integrations import hf_bands
 from fx_vitbal.integrations.hf import is_hf_model
 from fx_vitbal.integrations.hf_outputs import restored_rows
 from fx_vitbal.integrations.hf_towers import HFTowerRule, hf_tower_rule
-from fx_vitbal.runtime.bands import LOCAL, BandLayout, Bands, BandUnit
+from fx_vitbal.runtime.bands import Bands, frame_in_bands
 from fx_vitbal.runtime.vits import (
     plain_forward,
     regenerate_window_index,
@@ -81,16 +79,15 @@ def check_vision_encoder(
     raise_on_failure: bool = False,
 ) -> VisionEncoderReport:
     """Check that balancing ``vit`` is exact: run a copy on a random mixed batch, then on every
-    unit alone (and every frame alone when frames are independent), and compare.
+    unit alone (every frame alone when frames are independent; one frame as three bands when it
+    runs bands), and compare.
 
     Checked: each unit's outputs depend only on its pixel rows (unit promise); with independent
     frames, a video row ``[t, h, w]`` gives the outputs of ``t`` rows ``[1, h, w]`` (frame
-    promise); every output has ``t*h*w`` or ``t*h*w/m**2`` rows per unit, the same for all units
-    (layout); a returned ``window_index`` is a permutation of the merge blocks that
-    ``vit.get_window_index(grid)`` reproduces (window index). Outputs are un-permuted from window
-    order before comparing. The copy runs under ``torch.no_grad`` in float64, or in the ViT's
-    own dtype when float64 fails, in the ViT's current train/eval mode (dropout in training mode
-    makes runs differ: check in eval mode then).
+    promise); bands give their frame's outputs (band promise); every output has ``t*h*w`` or
+    ``t*h*w/m**2`` rows per unit, the same for all units (layout); a returned ``window_index``
+    is a permutation of the merge blocks that ``vit.get_window_index(grid)`` reproduces. The
+    copy runs without gradients in float64 (else its own dtype), in its train/eval mode.
 
     Args:
         vit: a module with the ViT contract and a ``spatial_merge_size`` (or a registered one).
@@ -299,36 +296,21 @@ def _check_bands(
     """The band promise: ``frame`` computed as three bands of its aligned rows, in one batch
     whose exchange of keys and values stays local, gives the frame's outputs run alone."""
     t, h, w = frame
-    rows = h // 3
+    rows, param = h // 3, next(checker.model.parameters(), None)
     generator = torch.Generator().manual_seed(seed + 1)
     pixels = torch.randn(t * h * w, in_dim, generator=generator, dtype=torch.float64)
-    device = next((p.device for p in checker.model.parameters()), torch.device("cpu"))
-    pixels = pixels.to(device=device, dtype=dtype)
+    pixels = pixels.to(param.device if param is not None else "cpu", dtype)
+    bands = frame_in_bands(frame, 3)
     whole = checker.outputs(pixels, [frame], f"frame {list(frame)} alone")
-    units = [BandUnit(1, rows, i * rows, h, w) for i in range(3)]
-    pieces = [(LOCAL, 0, t * h * w)] * 3  # every band attends over the whole (local) frame
-    layout = BandLayout(send=[], in_splits=[0], out_splits=[0], pieces=pieces).to_tensor()
-    bands = _LocalBands(units, layout, "")
     banded = checker.outputs(pixels, [(1, rows, w)] * 3, f"frame {list(frame)} in bands", bands)
-    if whole is None or banded is None:
-        return
-    for k, (have, want) in enumerate(zip(banded[0], whole[0], strict=True)):
-        if have.shape != want.shape or not torch.allclose(
-            have, want, rtol=checker.rtol, atol=checker.atol
-        ):
+    pairs = zip(banded[0], whole[0], strict=True) if whole and banded else ()
+    for k, (have, want) in enumerate(pairs):
+        if have.shape != want.shape or not torch.allclose(have, want, checker.rtol, checker.atol):
             checker.problems.append(
-                f"band promise broken: {_output_name(k)} of frame {list(frame)} computed as 3 "
-                f"bands of {rows} rows (each over the whole frame's keys and values) differs "
-                "from the frame run alone (positions from Bands.units' first_row? keys and "
-                "values from Bands.gather in every layer attending over whole frames?)"
+                f"band promise broken: {_output_name(k)} of frame {list(frame)} as 3 bands of "
+                f"{rows} rows differs from the frame alone (each band placed at its first_row? "
+                "attending over Bands.gather's keys and values in whole-frame layers?)"
             )
-
-
-class _LocalBands(Bands):
-    """``Bands`` of one process holding every band of a frame: ``gather`` is local."""
-
-    def gather(self, x: Tensor) -> Tensor:
-        return torch.cat([x[a:b] for _, a, b in BandLayout.of(self.layout).pieces])
 
 
 def _hf_rule(vit: nn.Module) -> HFTowerRule | None:
