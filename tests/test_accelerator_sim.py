@@ -28,7 +28,11 @@ CASES = {
         "model_syncs",
     ),
     "boolean-mask index": (lambda d, h: d[d[:, 0] > 0], "model_syncs"),
-    "boolean-mask assignment": (lambda d, h: d.__setitem__(d > 0, 0.0), "model_syncs"),
+    # (``d[mask] = 0.0`` becomes index_put_ or, from torch 2.15, a sync-free masked_fill_.)
+    "boolean-mask assignment": (
+        lambda d, h: d.index_put_((d > 0,), d.new_zeros(())),
+        "model_syncs",
+    ),
     ".tolist()": (lambda d, h: d.tolist(), "model_syncs"),
     ".numpy()": (lambda d, h: d.numpy(), "model_syncs"),
     ".cpu()": (lambda d, h: d.cpu(), "model_syncs"),

@@ -279,3 +279,53 @@ def test_in_place_planned_ahead_fx_and_replica_sets_split_exactly_and_compiled_p
         assert res["fx"][1] == 4 and res["compiled"][1] == 0
         embeds, want = res["replicas"]
         assert (embeds - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def _bf16(rank: int, world: int) -> dict:
+    """The same step in bf16, split and unsplit, each against the fp32 unsplit run."""
+    fp32 = _vit(windows=True)
+    bf16 = _vit(windows=True, dtype=torch.bfloat16)
+    _, pixels, grid = make_inputs(GRIDS[2][rank], in_dim=24, seed=rank)
+    want = fp32(pixels, grid)[0]
+    errors = {}
+    for split in (False, True):
+        config = dataclasses.replace(CONFIG, split_images=split, trigger_threshold=0.0)
+        embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(
+            bf16, pixels.bfloat16(), grid, config=config
+        )
+        errors[split] = float((embeds.float() - want).abs().max() / want.abs().max())
+    return errors
+
+
+def test_bands_in_bf16_stay_within_the_unsplit_runs_own_noise():
+    for errors in run_ranks(_bf16, 2):
+        assert errors[True] <= 2 * errors[False] + 1e-3, errors
+
+
+def test_a_measured_exchange_prices_bands_out_when_it_is_slow():
+    """With costs in seconds (``cost_model="online"``), the fitted exchange model prices a band:
+    a fast interconnect splits the frame that binds the step, a slow one keeps it whole."""
+    grids = [[[1, 128, 128]], [[1, 16, 16]]]
+    config = fx_vitbal.BalanceConfig(min_band_patches=1024)
+    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280))
+
+    def plan_with(latency, seconds_per_byte):
+        scale = exchange_scale(True, latency, seconds_per_byte)
+        cost = _Seconds(_ARCH)
+        _, units_R, _, _ = plan_units(
+            grids, 0, spec, cost_model=cost, bands=band_rule_of(spec), band_scale=scale
+        )
+        return sum(is_band(u) for units in units_R for u in units)
+
+    assert plan_with(11e-6, 1 / 350e9) == 2  # NVLink: two bands
+    assert plan_with(1e-3, 1 / 1e9) == 0  # 1 GB/s and a millisecond a collective: whole
+
+
+class _Seconds:
+    """An architecture model in seconds: forward MACs at 2e14 a second, three for training."""
+
+    def __init__(self, macs: ArchitectureCost) -> None:
+        self.macs = macs
+
+    def __call__(self, t: int, h: int, w: int) -> float:
+        return 3 * self.macs(t, h, w) / 2e14
