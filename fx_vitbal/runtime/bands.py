@@ -25,6 +25,7 @@ from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.plan.bands import is_band, unit_rows
 from fx_vitbal.runtime import collectives
 from fx_vitbal.runtime.collectives import resolve_group
+from fx_vitbal.runtime.moves import merged_ranges
 
 # A piece's source when it is a run of the local tensor rather than of what arrived.
 LOCAL = -1
@@ -241,20 +242,13 @@ def band_layout(
                 pieces.append((LOCAL, starts[k], starts[k + 1]))
             else:
                 pieces.append(arrived[(o, b)])
-    return units, BandLayout(_merged(send), in_splits, out_splits, _merged_pieces(pieces))
-
-
-def _merged(runs) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for a, b in runs:
-        if merged and merged[-1][1] == a:
-            merged[-1] = (merged[-1][0], b)
-        elif b > a:
-            merged.append((a, b))
-    return merged
+    return units, BandLayout(merged_ranges(send), in_splits, out_splits, _merged_pieces(pieces))
 
 
 def _merged_pieces(pieces) -> list[tuple[int, int, int]]:
+    """Non-empty ``(source, first, end)`` pieces, each merged into the previous one it
+    continues in the same source (local rows included: unlike the exchange's zero pieces,
+    ``LOCAL`` rows are real rows and merge only where contiguous)."""
     merged: list[tuple[int, int, int]] = []
     for s, a, b in pieces:
         if merged and merged[-1][0] == s and merged[-1][2] == a:

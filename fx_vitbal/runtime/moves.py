@@ -109,7 +109,7 @@ def _to_every_replica(route: Routing, shrink: int) -> Move:
             rows = route.unit_rows[i] // shrink
             home[i] = (d, first, first + rows)
             first += rows
-    return Move(_merged(ranges), in_R, out_R, _merged_pieces(home))
+    return Move(merged_ranges(ranges), in_R, out_R, _merged_pieces(home))
 
 
 def _from_every_replica(route: Routing, shrink: int) -> Move:
@@ -147,10 +147,10 @@ def _by_computing_rank(route: Routing, shrink: int) -> tuple[list[int], dict[int
 def _ranges(route: Routing, shrink: int, order: list[int]) -> list[tuple[int, int]]:
     """The rows of the local units ``order`` lists, in that order."""
     starts = [0, *itertools.accumulate(n // shrink for n in route.unit_rows)]
-    return _merged((starts[i], starts[i + 1]) for i in order)
+    return merged_ranges((starts[i], starts[i + 1]) for i in order)
 
 
-def _merged(ranges) -> list[tuple[int, int]]:
+def merged_ranges(ranges) -> list[tuple[int, int]]:
     """Non-empty ``(first, end)`` ranges, each merged into the previous one it continues."""
     merged: list[tuple[int, int]] = []
     for a, b in ranges:
