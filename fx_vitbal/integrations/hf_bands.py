@@ -113,8 +113,9 @@ def band_attention(
             **kwargs,
         )
         return out, None
-    pieces = zip(query.split(queries, 2), key.split(keys, 2), value.split(keys, 2), strict=True)
-    outs = [original(module, q, k, v, **common, **kwargs)[0] for q, k, v in pieces]
+    # Indexed, not zipped: Dynamo 2.8 cannot rebuild a zip(strict=True) live at a graph break.
+    qs, ks, vs = query.split(queries, 2), key.split(keys, 2), value.split(keys, 2)
+    outs = [original(module, qs[i], ks[i], vs[i], **common, **kwargs)[0] for i in range(len(qs))]
     return torch.cat(outs, 1), None
 
 
