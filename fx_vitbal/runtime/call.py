@@ -27,6 +27,7 @@ def run_balanced(
     module=None,
     problem=0,
     bands=False,
+    output_rows=None,
 ):
     """plan -> redistribute -> ``run(pixels, grid, bands)`` -> restore, the one balanced ViT call
     of every eager and in-place path (and of compiled wrappers, which trace it).
@@ -60,6 +61,9 @@ def run_balanced(
     ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank. ``bands``:
     ``run`` can run row bands of a frame (``runtime.bands``; eager only): it gets the batch's
     ``Bands`` (``Bands.split`` on a step whose plan splits a frame), else None.
+    ``output_rows``: ``unit (t, h, w) -> rows`` of every output, for a ViT whose outputs have
+    other row counts than ``t*h*w`` or ``t*h*w / merge**2`` per unit (eager only): ``restore``
+    then moves each unit's rows by a routing that counts them so (``planning._rows_routing``).
 
     Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
     never waits for the ViT (``ops.restore``).
@@ -97,11 +101,29 @@ def run_balanced(
         pixel_values = _taking_part(pixel_values, route)
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
     outputs, extra = run(pixels, grid, getattr(routing, "_vitbal_bands", None))
+    check_now = ops.no_backward_will_come(outputs)
+    if output_rows is not None:
+        restored = _restore_rows(
+            outputs, routing, output_rows, pixels.shape[0], group_name, check_now
+        )
+        return restored, extra, routing
     layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
     rows = ops.home_rows(layouts, pixel_values.shape[0], area)
-    check_now = ops.no_backward_will_come(outputs)
     restored = ops.restore(outputs, routing, area, layouts, rows, group_name, True, check_now)
     return restored, extra, routing
+
+
+def _restore_rows(outputs, routing, output_rows, pixel_rows, group_name, check_now):
+    """``restore`` of outputs with ``output_rows(unit)`` rows per unit: one row is one block."""
+    counted = routing._vitbal_output_routing(output_rows)
+    home = [sum(Routing.of(counted).unit_rows)] * len(outputs)
+    ones = [1] * len(outputs)
+    restored = ops.restore(outputs, counted, 1, ones, home, group_name, True, check_now)
+    clock = getattr(routing, "_vitbal_clock", None)
+    if clock is not None and pixel_rows:  # per pixel row, as the exchange model prices them
+        sent = sum(o.numel() * o.element_size() for o in outputs)
+        clock.output_bytes_per_row = sent // pixel_rows
+    return restored
 
 
 def _timed(run, clock, module):

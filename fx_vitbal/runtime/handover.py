@@ -21,6 +21,7 @@ unbalanced call; a batch that differs then only logs a warning.
 """
 
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -160,6 +161,9 @@ def step_outputs(
         return grid, planned.routing
     routing = route.repacked(planned.routing, mismatched=mismatched, max_units=units)
     routing._vitbal_clock = getattr(planned.routing, "_vitbal_clock", None)
+    output_routing = getattr(planned.routing, "_vitbal_output_routing", None)
+    if output_routing is not None:  # ``planning._rows_routing``, as mismatched as this one
+        routing._vitbal_output_routing = functools.partial(output_routing, mismatched=mismatched)
     if bands and split is not None:  # an exchange runs in lockstep, planned batch or not
         routing._vitbal_bands = split
     if not mismatched:

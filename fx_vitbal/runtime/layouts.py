@@ -57,7 +57,8 @@ def check_output_layouts(
             if h[1 + 3 * i] < 0:
                 problems.append(
                     f"rank {r}: ViT output {i} has {-h[1 + 3 * i] - 1} rows; expected t*h*w "
-                    "(pre-merger) or t*h*w/merge**2 (merged) rows summed over the units"
+                    "(pre-merger) or t*h*w/merge**2 (merged) rows summed over the units, or "
+                    "those a Hugging Face rule's output_rows counts"
                 )
     if not problems and len({tuple(h) for h in headers}) > 1:
         problems = [

@@ -37,6 +37,7 @@ from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
 from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
 from fx_vitbal.runtime.replicas import routing_for_sets
 from fx_vitbal.runtime.routing import (
+    Routing,
     balanced_grid,
     local_outputs,
     local_routing,
@@ -180,12 +181,18 @@ def solve_for_rank(
     call_id = next(_CALL_IDS)
     step, clock = state.begin(solved, units_R, merge_size)
     if replica_layout is None:
-        route, rows = local_routing(solved, units_R, rank, merge_size), None
+        routed = functools.partial(local_routing, solved, units_R, rank, merge_size)
+        route, rows = routed(), None
         units_O, arrivals = units_R, solved.assignment[rank]
         computed_by = _destinations(solved)
     else:  # the local units are the set's
         held, units_O = replica_layout
-        route, arrivals = routing_for_sets(solved, held, gathered.sets, units_O, rank, merge_size)
+        sets = (solved, held, gathered.sets, units_O, rank, merge_size)
+        route, arrivals = routing_for_sets(*sets)
+
+        def routed(rows_of):
+            return routing_for_sets(*sets, rows_of)[0]
+
         rows = [list(units_O[s][i][:3]) for s, i in arrivals] or None
         computed_by = _set_destinations(solved, held, gathered.sets)
     route = dataclasses.replace(
@@ -205,6 +212,7 @@ def solve_for_rank(
     routing = route.to_tensor(max_units(pixel_values.shape[0], merge_size))
     routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
     routing._vitbal_home_grid = gathered.grids_R[rank]  # ``vits.regenerate_window_index``
+    routing._vitbal_output_routing = functools.partial(_rows_routing, route, routed)
     # The batch as the ViT gets it (``Bands``): its units, and on a step that splits a frame
     # the exchange of the frame's keys and values.
     if any(is_band(u) for units in units_O for u in units):
@@ -218,6 +226,16 @@ def solve_for_rank(
     if not route.applied:  # nothing moves: the gather was the call's last collective
         publish(call_id)
     return grid, routing, solved
+
+
+def _rows_routing(route: Routing, routed, rows_of, **changes) -> torch.Tensor:
+    """``route`` with each unit's rows counted by ``rows_of`` (``routed(rows_of=...)`` lays them
+    out) and ``changes`` made, packed: the routing that restores the outputs of a tower whose
+    outputs have other row counts than its pixels (``call.run_balanced``'s ``output_rows``)."""
+    moved = routed(rows_of=rows_of)
+    rows = {f: getattr(moved, f) for f in ("unit_rows", "send_rows", "recv_rows", "dummy_rows")}
+    changed = dataclasses.replace(route, **rows, **changes)
+    return changed.to_tensor(max(1, len(changed.unit_rows)))
 
 
 # Ids of the calls planned in this process, for their status words and deferred reports.

@@ -11,7 +11,7 @@ when the header is gathered there too.
 """
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -113,6 +113,7 @@ def routing_for_sets(
     units_S: list[list[tuple]],
     rank: int,
     merge_size: int,
+    rows_of: Callable[[Sequence[int]], int] = rows_of,
 ) -> tuple[Routing, list[tuple[int, int]]]:
     """This rank's ``Routing`` under ``plan`` (``plan.replicas``'s, with the holdings ``held``),
     where the local units are the set's, ``units_S[s]`` for set ``s``, and the ``(set, index)``
@@ -121,6 +122,7 @@ def routing_for_sets(
     A unit computed inside its set takes its pixels from the computing rank's own copy; one
     computed outside is sent by its holder. Units arrive grouped by sender, in the set's order:
     the ``(sender, index)`` order every move of ``moves`` keeps.
+    ``rows_of`` as ``routing.local_routing`` takes it.
     """
     set_of = set_of_ranks(sets)
     world = len(set_of)
@@ -148,7 +150,7 @@ def routing_for_sets(
         dest=dest,
         send_rows=send_rows,
         recv_rows=recv_rows,
-        dummy_rows=0 if arrivals else merge_size**2,
+        dummy_rows=0 if arrivals else rows_of((1, merge_size, merge_size)),
         set_of=set_of,
         sender=sender,
         rank=rank,

@@ -10,7 +10,7 @@ Shape suffixes: ``_R`` per rank, ``_U`` per local unit.
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -195,11 +195,16 @@ def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple
 
 
 def local_routing(
-    plan: Plan, units_R: list[list[tuple[int, int, int]]], rank: int, merge_size: int = 1
+    plan: Plan,
+    units_R: list[list[tuple[int, int, int]]],
+    rank: int,
+    merge_size: int = 1,
+    rows_of: Callable[[Sequence[int]], int] = rows_of,
 ) -> Routing:
-    """This rank's send/receive layout under ``plan`` (with a dummy unit of ``merge_size**2``
-    rows if the rank would compute nothing). It reads only this rank's units and the units it
-    receives, not every rank's."""
+    """This rank's send/receive layout under ``plan`` (with a dummy unit ``(1, m, m)`` if the
+    rank would compute nothing). It reads only this rank's units and the units it receives, not
+    every rank's. ``rows_of``: the rows a unit has in the tensors moved (default: its pixel
+    rows; a tower whose outputs have other row counts restores them with its own)."""
     world = len(units_R)
     unit_rows = [rows_of(u) for u in units_R[rank]]
     dest = plan.destinations(rank)
@@ -210,7 +215,7 @@ def local_routing(
     assigned = plan.assignment[rank]
     for src, idx in assigned:
         recv_rows[src] += rows_of(units_R[src][idx])
-    dummy_rows = merge_size**2 if not assigned else 0
+    dummy_rows = rows_of((1, merge_size, merge_size)) if not assigned else 0
     return Routing(plan.applied, unit_rows, dest, send_rows, recv_rows, dummy_rows)
 
 

@@ -108,7 +108,8 @@ def _describe(rank: int, code: int, value: int) -> str:
     if kind == ROWS:
         return (
             f"rank {rank}: ViT output {index} has {value} rows; expected t*h*w (pre-merger) or "
-            "t*h*w/merge**2 (merged) rows summed over the units"
+            "t*h*w/merge**2 (merged) rows summed over the units, or those a Hugging Face "
+            "rule's output_rows counts"
         )
     if kind == LAYOUT:
         return (
