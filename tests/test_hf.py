@@ -416,18 +416,13 @@ def test_sibling_towers_balanced_equal_unbalanced():
         assert empty["seen"] > 0 and home["seen"] < home["rows"], path  # the empty rank worked
 
 
-def test_kimi_is_refused_and_unknown_towers_raise():
-    kimi = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
-    config = kimi.Kimi_K25VisionConfig(
-        num_hidden_layers=1,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=64,
-        pos_emb_height=8,
-        pos_emb_width=8,
+def test_a_refused_tower_and_unknown_towers_raise():
+    video_llama = pytest.importorskip("transformers.models.video_llama_3.modeling_video_llama_3")
+    config = video_llama.VideoLlama3VisionConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64
     )
-    with pytest.raises(TypeError, match="attends across the frames"):
-        hf.enable_hf_vit_balance(kimi.Kimi_K25VisionModel(config))
+    with pytest.raises(TypeError, match="VideoLlama3VisionModel cannot be balanced: .*per-unit"):
+        hf.enable_hf_vit_balance(video_llama.VideoLlama3VisionModel(config))
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**{k: v for k, v in TEXT.items() if k != "head_dim"})
     )
@@ -549,7 +544,7 @@ def test_without_process_group_is_plain_and_keeps_the_model():
 
 def test_cost_model_comes_from_the_tower_config():
     model = build_parent("qwen2_5_vl")
-    cost = hf.architecture_cost(model.get_encoder(modality="image"))
+    cost = hf_towers.architecture_cost(model.get_encoder(modality="image"))
     assert cost == ArchitectureCost(
         hidden=64,
         mlp_hidden=128,
@@ -561,12 +556,13 @@ def test_cost_model_comes_from_the_tower_config():
         gated_mlp=True,
     )
     qwen3 = build_parent("qwen3_vl").get_encoder(modality="image")
-    assert hf.architecture_cost(qwen3).num_mergers == 3
+    assert hf_towers.architecture_cost(qwen3).num_mergers == 3
     glm = build_parent("glm4v").get_encoder(modality="image")
-    assert hf.architecture_cost(glm).mlp_hidden == 64  # Glm4vVisionMlp is out_hidden_size wide
+    # Glm4vVisionMlp is out_hidden_size wide
+    assert hf_towers.architecture_cost(glm).mlp_hidden == 64
     hf.enable_hf_vit_balance(qwen3, config=BalanceConfig())  # cost_model="auto"
     _, chosen = parse_planner_spec(qwen3._vitbal_hf.planner)
-    assert chosen == hf.architecture_cost(qwen3)
+    assert chosen == hf_towers.architecture_cost(qwen3)
 
 
 def test_is_hf_model_does_not_import_transformers():

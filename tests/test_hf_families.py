@@ -1,7 +1,7 @@
 """Coverage of Hugging Face VLM families: every family of the installed transformers whose
 modeling code uses ``grid_thw`` is balanced exactly on 2 gloo ranks, or refused when it is
 wrapped. A family the walk finds without an entry in ``FAMILIES`` fails, so a new transformers
-release is checked as soon as the pin is raised.
+release is checked as soon as it is installed (``make test-hf`` runs this file on the newest).
 
 Exact means: logits and all-reduced gradients equal the unbalanced run's, images really moved,
 and videos went through where the family takes them. One pair of ranks runs every family in
@@ -19,9 +19,12 @@ from dist_utils import record_moves, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
-from hf_families import FAMILIES, Exact, Refused, counts, markdown_table  # noqa: E402
+from hf_families import Exact, Refused, counts, installed, markdown_table  # noqa: E402
 
 import fx_vitbal  # noqa: E402
+
+FAMILIES = installed(transformers.__version__)
+"""The entries of the families the installed transformers has (the pinned one or a newer)."""
 
 # (images, videos) per rank and step. Step 0: rank 0 heavy, rank 1 a thumbnail (units move to
 # it); step 1: rank 1 text-only (it still takes part, and runs backward's collective).

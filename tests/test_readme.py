@@ -24,14 +24,19 @@ def _run_snippets(rank: int, world: int, code: list[str]) -> dict:
 
 def test_readme_snippets_run_on_two_ranks_and_move_images():
     code = snippets()
-    assert len(code) == 9, (
-        "unregistered ViT, eager, in place, FX pass, backend, plan ahead, replica sets, bands, "
-        "statistics"
+    assert len(code) == 10, (
+        "unregistered ViT, eager, in place, a Hugging Face tower with other row counts, FX pass, "
+        "backend, plan ahead, replica sets, bands, statistics"
     )
     results = run_ranks(_run_snippets, 2, code)
     assert_units_moved(results)
     # The bands snippet's call exchanged the large frame's keys and values in its attention
     # layer: a third forward all_to_all besides the pixels' and the outputs'.
+    # The tower with other row counts moved images there and their rows (end rows too) back.
+    rows = next(i for i, block in enumerate(code) if "EndRowTower" in block)
+    for res in results:
+        forward = [name for phase, name, _, _ in res["issued"][rows] if phase == "forward"]
+        assert forward.count("all_to_all") == 2, forward
     bands = next(i for i, block in enumerate(code) if "MyBandViT" in block)
     for res in results:
         forward = [name for phase, name, _, _ in res["issued"][bands] if phase == "forward"]

@@ -18,16 +18,17 @@
    family wrote them, on the rank and in the order the images came from. A rank without pixels
    passes its (empty) tower output as an empty image entry: the parent's ``masked_scatter``
    keeps it in the autograd graph, so the backward of ``restore`` (a collective) runs there as
-   well, at the same point as on the other ranks.
+   well, at the same point as on the other ranks (or, where the rule says the parent refuses an
+   empty entry, its input embeddings plus the output's empty sum, an exact +0.0).
 
 Balancing is active with more than one rank while the tower trains (or always, with
 ``BalanceConfig(when="always")``); otherwise (``generate``, where ranks take different numbers of
 steps) the tower runs unchanged and issues no collective.
 The balanced tower returns the fields its rule names and None for the rest (restoring
 ``last_hidden_state`` where no parent reads it would more than double the return traffic), and
-rejects ``output_hidden_states`` / ``output_attentions``. Precomputed per-batch kwargs
-(``cu_seqlens``, ``window_index``, ...) are dropped: they describe the unbalanced batch, and the
-tower recomputes them from its grid.
+rejects ``output_hidden_states`` (but for the one entry a rule names) / ``output_attentions``.
+Precomputed per-batch kwargs (``cu_seqlens``, ``window_index``, ...) are dropped: they describe
+the unbalanced batch, and the tower recomputes them from its grid.
 """
 
 import dataclasses
@@ -41,19 +42,22 @@ import torch.distributed as dist
 from torch import nn
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.cost.static import ArchitectureCost
 from fx_vitbal.integrations import hf_bands
 from fx_vitbal.integrations.hf_outputs import (
     as_tuple,
+    asks_only,
     empty_per_image,
+    fields_of,
     modality_rows,
     output_with,
     replay,
     replayed,
     restored_rows,
+    tied_to_embeddings,
 )
 from fx_vitbal.integrations.hf_towers import (
     HFTowerRule,
+    architecture_cost,
     hf_tower_rule,
     known_tower_names,
     refuse_parents,
@@ -145,7 +149,9 @@ def enable_hf_vit_balance(
     layout_token(tower)  # made now, so graphs traced later read it as a constant
     original = getattr(tower, "_vitbal_original_forward", tower.forward)
     tower._vitbal_original_forward = original
-    tower.forward = functools.partial(_balanced_forward, tower, original)
+    forward = functools.partial(_balanced_forward, tower, original)
+    # Rows a rule counts are restored by the plan's host objects: eager only, outside graphs.
+    tower.forward = torch.compiler.disable(forward) if rule.output_rows else forward
     owner = next((m for m in model.modules() if any(c is tower for c in m.children())), None)
     if owner is not None and not hasattr(owner, "_vitbal_hf_hook"):
         params = list(inspect.signature(owner.forward).parameters)
@@ -186,43 +192,26 @@ def _rule_of(tower: nn.Module) -> HFTowerRule:
         ) from None
 
 
-def architecture_cost(tower: nn.Module) -> ArchitectureCost:
-    """The FLOP cost model of a tower with a rule, from its config."""
-    c, rule = tower.config, hf_tower_rule(type(tower))
-    hidden, mlp_hidden, out_dim = rule.dims(c)
-    full = getattr(c, "fullatt_block_indexes", None)  # Qwen2.5-VL: the rest attend in windows
-    return ArchitectureCost(
-        hidden=hidden,
-        mlp_hidden=mlp_hidden,
-        depth=rule.depth(c),
-        in_dim=rule.pixel_width(c),
-        out_dim=out_dim,
-        spatial_merge_size=rule.merge_size(tower),
-        full_attention_layers=None if full is None else len(full),
-        window_patches=None if full is None else (c.window_size // c.patch_size) ** 2,
-        per_frame=rule.frames_independent,
-        gated_mlp=rule.gated_mlp,
-        num_mergers=1 + len(getattr(c, "deepstack_visual_indexes", None) or ()),
-    )
-
-
 def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     """The tower's forward, balanced; pixels and outputs in the tower's own format (with a
     leading batch dimension where its rule says so)."""
     config, group, replica_group, planner, rule, merge, bands = tower._vitbal_hf
     pixels = args[0] if args else kwargs.pop(_pixels_argument(original))
-    grid_thw = args[1] if len(args) > 1 else kwargs.pop("grid_thw")
+    grid_thw = args[1] if len(args) > 1 else kwargs.pop(rule.grid_argument)
     pending = tower.__dict__.get("_vitbal_replay")
     if pending is not None:  # the parent's feature code, run on restored outputs (replay)
         return replayed(tower, pending, pixels, kwargs.get("return_dict", True))
     dist_info = active_group(tower, config, group, replica_group)
     if dist_info is None:
-        return original(pixels, grid_thw=grid_thw, **kwargs)
+        return original(pixels, **{rule.grid_argument: grid_thw}, **kwargs)
     # Problems found here raise on every rank, through the plan (never here, alone).
     problem = vitbal_problem
     for flag in ("output_hidden_states", "output_attentions"):
-        if kwargs.pop(flag, None):
+        asked = kwargs.pop(flag, None)
+        if asked and not (flag == "output_hidden_states" and asks_only(asked, rule.hidden_state)):
             problem = problem or PROBLEMS["hidden_states"]
+    if rule.hidden_state is not None:  # what the parent reads, asked for on every rank
+        kwargs["output_hidden_states"] = rule.hidden_state
     return_dict = kwargs.pop("return_dict", True)
     for name in PRECOMPUTED_KWARGS:
         kwargs.pop(name, None)
@@ -234,8 +223,8 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         extra = {}
         if bands and split is not None:  # the tower's inputs from the plan's host copy
             extra = hf_bands.band_kwargs(tower, rule.bands, split, rows.device)
-        grid = extra.pop("grid_thw", grid)
-        out = original(fed, grid_thw=grid, return_dict=True, **kwargs, **extra)
+        extra[rule.grid_argument] = extra.pop("grid_thw", grid)
+        out = original(fed, return_dict=True, **kwargs, **extra)
         return restored_rows(rule, out), out
 
     rows = pixels.squeeze(0) if rule.batched_pixels else pixels
@@ -244,18 +233,20 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         grid_thw = torch.zeros(0, 3, dtype=torch.long, device=rows.device)
     bands = bands and not torch.compiler.is_compiling()
     outputs, out, _ = run_balanced(
-        run, rows, grid_thw, merge, planner, dist_info, module=tower, problem=problem, bands=bands
+        run,
+        rows,
+        grid_thw,
+        merge,
+        planner,
+        dist_info,
+        module=tower,
+        problem=problem,
+        bands=bands,
+        output_rows=None if rule.output_rows is None else lambda u: rule.output_rows(*u, merge),
     )
     if problem:  # (compiled: the plan's empty output keeps the op in the graph)
         return out
-    fields = {}
-    for name in rule.outputs:
-        count = len(out[name]) if isinstance(out[name], (list, tuple)) else 1
-        taken, outputs = outputs[:count], outputs[count:]
-        if rule.batched_outputs:
-            taken = [x.unsqueeze(0) for x in taken]
-        fields[name] = list(taken) if isinstance(out[name], (list, tuple)) else taken[0]
-    result = output_with(out, fields)
+    result = output_with(out, fields_of(rule, out, outputs))
     return result if return_dict else as_tuple(result)
 
 
@@ -287,16 +278,21 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     if problem and not active:  # no collective to keep: this rank alone raises
         raise ValueError(f"vit dp balance: {describe_problem(problem)}")
     fed = pixels.unsqueeze(0) if rule.batched_pixels else pixels
-    out = tower(fed, grid_thw=grid, vitbal_problem=problem)
+    out = tower(fed, **{rule.grid_argument: grid}, vitbal_problem=problem)
     # What the parent's forward passes its feature methods besides pixels and grid.
     extra = {k: v for k, v in kwargs.items() if k not in params and k != "return_dict"}
     features, start = {}, 0
-    for modality, part_pixels, part_grid, _ in parts:
+    for modality, part_pixels, part_grid, fed_grid in parts:
         stop = start + part_pixels.shape[0]
-        restored = modality_rows(out, rule, start, stop, pixels.shape[0], merge**2)
+        area = merge**2
+        if rule.output_rows is not None:  # (a host read of a device grid, as such towers do)
+            stop, area = start + sum(rule.output_rows(*g, merge) for g in fed_grid.tolist()), 0
+        restored = modality_rows(out, rule, start, stop, pixels.shape[0], area)
         method = f"get_{modality}_features"
         features[modality] = replay(module, tower, method, part_pixels, part_grid, restored, extra)
         start = stop
+    if not parts and rule.text_only_embeds:
+        return (), tied_to_embeddings(module, kwargs, restored_rows(rule, out))
     if not parts:  # the empty entry ties this rank's output into the graph (module doc, 2.)
         fields = {n: empty_per_image(out[n]) for n in rule.outputs}
         # What the parent's forward reads of a modality: its (here empty) per-image features.

@@ -16,7 +16,35 @@ from fx_vitbal.integrations.hf_towers import HFTowerRule
 
 
 def listed(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    """A field's tensors: the field, or its entries that are not None."""
+    if isinstance(value, (list, tuple)):
+        return [x for x in value if x is not None]
+    return [value]
+
+
+def asks_only(asked, layer: int | None) -> bool:
+    """``output_hidden_states=asked`` selects exactly the entry ``layer`` of ``hidden_states``
+    (an index, or a list of one)."""
+    if layer is None or isinstance(asked, bool):
+        return False
+    return list(asked) == [layer] if isinstance(asked, (list, tuple)) else asked == layer
+
+
+def fields_of(rule: HFTowerRule, out, restored: list) -> dict:
+    """The restored tensors (``restored_rows``' order) placed into ``out``'s fields as the rule
+    names them, list fields keeping their None entries and type."""
+    restored = iter(restored)
+    fields = {}
+    for name in rule.outputs:
+        value = out[name]
+        entries = [
+            None if x is None else next(restored)
+            for x in (value if isinstance(value, (list, tuple)) else [value])
+        ]
+        if rule.batched_outputs:
+            entries = [None if x is None else x.unsqueeze(0) for x in entries]
+        fields[name] = type(value)(entries) if isinstance(value, (list, tuple)) else entries[0]
+    return fields
 
 
 def as_tuple(out) -> tuple:
@@ -36,20 +64,23 @@ def output_with(like, fields: dict):
 def modality_rows(out, rule: HFTowerRule, start: int, stop: int, pixel_rows: int, merge2: int):
     """``out``'s restored fields restricted to the pixel rows ``start:stop`` of a call of
     ``pixel_rows`` rows: each field (or list entry) has one row per pixel row or one per
-    ``merge2`` (merged), told apart by its length. No host read: the bounds are row counts."""
+    ``merge2`` (merged), told apart by its length. No host read: the bounds are row counts.
+    With ``merge2=0``, ``start:stop`` are the fields' own rows (a rule's ``output_rows``)."""
     fields = rule.outputs
 
     def take(x):
+        if x is None:
+            return None
         x = x.squeeze(0) if rule.batched_outputs else x
-        per = 1 if x.shape[0] == pixel_rows else merge2
+        per = 1 if x.shape[0] == pixel_rows or not merge2 else merge2
         x = x[start // per : stop // per]
         return x.unsqueeze(0) if rule.batched_outputs else x
 
     return output_with(
         out,
         {
-            name: [take(x) for x in out[name]] if isinstance(out[name], list) else take(out[name])
-            for name in fields
+            name: type(v)(map(take, v)) if isinstance(v, (list, tuple)) else take(v)
+            for name, v in ((name, out[name]) for name in fields)
         },
     )
 
@@ -103,3 +134,15 @@ def restored_rows(rule: HFTowerRule, out) -> list:
     """The restored fields of a tower output, flat, each with its rows in dim 0."""
     values = [x for name in rule.outputs for x in listed(out[name])]
     return [x.squeeze(0) for x in values] if rule.batched_outputs else values
+
+
+def tied_to_embeddings(module, kwargs: dict, empty: list) -> dict:
+    """The parent's kwargs with its input embeddings (from ``input_ids`` unless given) plus the
+    sums of this text-only rank's empty outputs, each exactly +0.0: the outputs' restore is then
+    in the autograd graph, and its backward collective runs here too (``integrations.hf``, 2.)."""
+    ids = kwargs.pop("input_ids", None)
+    embeds = kwargs.get("inputs_embeds")
+    embeds = module.get_input_embeddings()(ids) if embeds is None else embeds
+    for x in empty:
+        embeds = embeds + x.sum()
+    return {**kwargs, "inputs_embeds": embeds}

@@ -12,9 +12,12 @@ that of the tower's own transformers class only.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from torch import nn
+
+from fx_vitbal.cost.static import ArchitectureCost
 
 
 def _channels(c) -> int:  # configs call it either
@@ -34,10 +37,10 @@ class HFTowerRule:
     """What balancing must know about one tower class.
 
     Every balanced tower keeps the Qwen contract: ``forward(pixels, grid_thw=grid)`` with one
-    pixel row per patch (``t*h*w`` per grid row), returning a ModelOutput whose restored fields
-    have, per grid row, ``t*h*w`` rows or ``t*h*w / merge**2`` rows, in grid order. The parent's
-    own ``get_image_features`` / ``get_video_features`` then runs on the restored outputs, so
-    projectors, resamplers and splits are never the rule's business.
+    pixel row per grid cell (``t*h*w`` per grid row), returning a ModelOutput whose restored
+    fields have, per grid row, ``t*h*w`` rows or ``t*h*w / merge**2`` rows (or ``output_rows``),
+    in grid order. The parent's own ``get_image_features`` / ``get_video_features`` then runs on
+    the restored outputs, so projectors, resamplers and splits are never the rule's business.
     """
 
     family: str
@@ -72,8 +75,30 @@ class HFTowerRule:
     None: never split."""
     outputs: tuple[str, ...] = ("pooler_output",)
     """The output fields restored to their home rank (what the parent's feature code reads);
-    a list field (Qwen3-VL's ``deepstack_features``) is restored entry by entry. Fields not
-    named come back as None."""
+    a list field (Qwen3-VL's ``deepstack_features``) is restored entry by entry, its None
+    entries kept. Fields not named come back as None."""
+    hidden_state: int | None = None
+    """The one entry of ``hidden_states`` the parent reads (Ovis2.5: ``-1``, the last block's
+    output before the final norm), asked for with ``output_hidden_states=<index>``: the balanced
+    tower computes that entry and restores it (name ``hidden_states`` in ``outputs``). Any other
+    ``output_hidden_states`` request raises on every rank, as it does without this field."""
+    output_rows: Callable[[int, int, int, int], int] | None = None
+    """``(t, h, w, merge) -> rows`` every restored field has for one grid row, when not
+    ``t*h*w`` or ``t*h*w / merge**2``: a merger that adds a row per line and begin/end rows
+    (HunYuanVL: ``h/m * (w/m + 1) + 2``), or pools a clip's frames into one (Kimi-K2.5:
+    ``h*w / m**2``). With ``frames_independent`` it is also called per frame (``t=1``) and must
+    add up over them. Restored by a routing that counts these rows; eager only (the balanced
+    tower runs outside compiled graphs), never split into bands."""
+    grid_argument: str = "grid_thw"
+    """The name the tower's forward takes its grid by (Inkling2: ``image_grid_thw``)."""
+    text_only_embeds: bool = False
+    """A rank without pixels ties its empty tower output into the autograd graph through the
+    parent's input embeddings (plus the output's empty sum, an exact +0.0) instead of an empty
+    image entry: the parent checks its image entries against start/end tokens (Ovis2.5)."""
+
+    def __post_init__(self):
+        if self.output_rows is not None and self.bands is not None:
+            raise ValueError(f"{self.family}: a rule with output_rows runs no bands")
 
 
 _BY_CLASS: dict[type, HFTowerRule] = {}
@@ -117,6 +142,24 @@ def _frame_patch_width(c) -> int:  # no temporal patch: one frame per pixel row
 
 def _config_merge(tower: nn.Module) -> int:
     return tower.config.spatial_merge_size
+
+
+def _rgb_patch(c) -> tuple[int, int, int]:  # Kimi-K2.5's patch convolution takes 3 channels
+    side = c.patch_size if isinstance(c.patch_size, int) else c.patch_size[0]
+    return 3, side, side
+
+
+def _token_block(c) -> tuple[int, int, int]:  # one LM token's (m*p, m*p, C) pixels
+    side = c.spatial_merge_size * c.patch_size
+    return side, side, _channels(c)
+
+
+def _lines(t, h, w, m) -> int:  # a row after each line of merged patches
+    return t * (h // m) * (w // m + 1)
+
+
+def _lines_and_ends(t, h, w, m) -> int:  # and begin/end rows
+    return t * (h // m * (w // m + 1) + 2)
 
 
 _QWEN = dict(dims=_qwen_dims, frames_independent=True)
@@ -194,6 +237,50 @@ SHIPPED_RULES: dict[str, HFTowerRule] = {
         pixel_shape=lambda c: (c.num_channels, c.patch_size, c.patch_size),
         **_PROJECTED,
     ),
+    "LlavaOnevision15VisionModel": HFTowerRule(  # each frame with its own class row
+        family="LLaVA-OneVision-1.5", pixel_width=_frame_patch_width, **_QWEN
+    ),
+    "Ovis2_5VisionModel": HFTowerRule(
+        family="Ovis2.5",
+        frames_independent=True,  # windows, positions and attention per frame
+        hidden_state=-1,
+        text_only_embeds=True,
+        **dict(_PROJECTED, outputs=("hidden_states",)),
+    ),
+    "HunYuanVLVisionTransformer": HFTowerRule(  # images only (its merger takes one frame)
+        family="HunYuanVL",
+        pixel_width=_frame_patch_width,
+        batched_outputs=True,
+        output_rows=_lines_and_ends,
+        **dict(_PROJECTED, dims=_qwen_dims, outputs=("pooler_output",)),
+    ),
+    "HYV4VLVisionModel": HFTowerRule(  # frames merged one by one, each with its line rows
+        family="HY-V4-VL",
+        pixel_width=_frame_patch_width,
+        frames_independent=True,
+        batched_outputs=True,
+        output_rows=_lines,
+        **dict(_PROJECTED, dims=_qwen_dims, outputs=("pooler_output",)),
+    ),
+    "Inkling2VisionModel": HFTowerRule(  # a class row per image: clips stay whole
+        family="Inkling2, Inkling2-Loop",
+        dims=lambda c: (c.hidden_size, c.intermediate_size, c.text_hidden_size),
+        depth=_layers,
+        pixel_width=lambda c: math.prod(_token_block(c)),
+        pixel_shape=_token_block,
+        merge_size=lambda tower: 1,  # its grid counts LM tokens, one pixel block each
+        grid_argument="image_grid_thw",
+    ),
+    "Kimi_K25VisionModel": HFTowerRule(
+        family="Kimi-K2.5",
+        dims=lambda c: (c.hidden_size, c.intermediate_size, c.hidden_size),
+        depth=_layers,
+        pixel_width=lambda c: math.prod(_rgb_patch(c)),
+        pixel_shape=_rgb_patch,
+        merge_size=lambda tower: tower.merge_kernel_size[0],
+        frames_independent=False,  # a clip's frames attend to each other, then are averaged
+        output_rows=lambda t, h, w, m: h * w // m**2,  # one (m*m, C) row per merged patch
+    ),
     "Glm4vVisionModel": HFTowerRule(family="GLM-4.1V, GLM-4.6V", bands="glm", **_GLM),
     "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", bands="glm", **_GLM),
     "GlmOcrVisionModel": HFTowerRule(family="GLM-OCR", **dict(_GLM, dims=_qwen_dims)),
@@ -207,22 +294,6 @@ _MINICPM = (
 )
 
 REFUSED_TOWERS: dict[str, str] = {
-    "Kimi_K25VisionModel": (
-        "Kimi-K2.5's MoonViT attends across the frames of a clip and averages them, and its "
-        "pooler rows are (h/2)*(w/2) blocks of shape (4, C), not t*h*w/4 rows"
-    ),
-    "HunYuanVLVisionTransformer": (
-        "HunYuanVL's tower adds a row per line and begin/end rows to each image's output "
-        "(h/2*(w/2+1)+2 rows), not t*h*w/m**2 rows per grid row"
-    ),
-    "HYV4VLVisionModel": (
-        "HY-V4-VL's tower adds a row per line of merged patches to each frame's output "
-        "(t*(h/2)*(w/2+1) rows), not t*h*w/m**2 rows per grid row"
-    ),
-    "Inkling2VisionModel": (
-        "Inkling2's grid counts 2x2-patch LM tokens, not patches, each pixel row is a "
-        "(28, 28, 3) block, and its outputs carry a CLS row per image"
-    ),
     "MiniCPMOcrVisionModel": _MINICPM,
     "MiniCPMV4_6VisionModel": _MINICPM,
     "MiniCPMV4_7VisionModel": _MINICPM,
@@ -231,8 +302,8 @@ REFUSED_TOWERS: dict[str, str] = {
         "twice per step, for the global views and then the local crops"
     ),
     "VideoLlama3VisionModel": (
-        "VideoLLaMA3's merge size is an input per grid row (1 for images, 2 for videos), so a "
-        "call's outputs have no single merged layout"
+        "VideoLLaMA3's tower takes a merge size per grid row (1 for images, 2 for videos) as an "
+        "input that would have to travel with each moved image, and a rule has no per-unit inputs"
     ),
     "GlmImageVisionModel": (
         "GLM-Image generates images: its grid holds target grids that have no pixels, and its "
@@ -292,3 +363,26 @@ def hf_tower_rule(cls: type) -> HFTowerRule:
 def known_tower_names() -> set[str]:
     """Class names of the towers with a rule (shipped or registered), for the compile backend."""
     return set(SHIPPED_RULES) | {cls.__name__ for cls in _BY_CLASS}
+
+
+def architecture_cost(tower: nn.Module) -> ArchitectureCost:
+    """The FLOP cost model of a tower with a rule, from its config."""
+    c, rule = tower.config, hf_tower_rule(type(tower))
+    hidden, mlp_hidden, out_dim = rule.dims(c)
+    full = getattr(c, "fullatt_block_indexes", None)  # Qwen2.5-VL: the rest attend in windows
+    windowed = "window_attention" in (getattr(c, "layer_types", None) or ())
+    if full is None and windowed and hasattr(c, "window_size"):  # Ovis2.5
+        full = [kind for kind in c.layer_types if kind == "full_attention"]
+    return ArchitectureCost(
+        hidden=hidden,
+        mlp_hidden=mlp_hidden,
+        depth=rule.depth(c),
+        in_dim=rule.pixel_width(c),
+        out_dim=out_dim,
+        spatial_merge_size=rule.merge_size(tower),
+        full_attention_layers=None if full is None else len(full),
+        window_patches=None if full is None else (c.window_size // c.patch_size) ** 2,
+        per_frame=rule.frames_independent,
+        gated_mlp=rule.gated_mlp,
+        num_mergers=1 + len(getattr(c, "deepstack_visual_indexes", None) or ()),
+    )

@@ -1,9 +1,10 @@
-"""HunYuanVL: its merger adds a newline row per line and begin/end rows per image, so it is
-refused."""
+"""HunYuanVL: a tower for images only whose merger adds a newline row after each line of merged
+patches and begin/end rows (``h/2 * (w/2 + 1) + 2`` output rows per image); the parent's
+placeholder spans hold exactly those rows, typed 1 for its multimodal RoPE."""
 
 import transformers
 
-from hf_zoo._common import IMAGE, TEXT, VEND, VSTART, instantiate
+from hf_zoo._common import IMAGE, TEXT, VEND, VSTART, _sample, add_pixels, instantiate
 
 
 def build():
@@ -33,3 +34,17 @@ def build():
         im_newline_id=124,
     )
     return instantiate(transformers.HunYuanVLForConditionalGeneration, config)
+
+
+def batch(model, images, videos, seed):
+    vc = model.config.vision_config
+    merge = vc.spatial_merge_size
+    ids, types = [5, 6], [0, 0]
+    for _, h, w in images:
+        n = h // merge * (w // merge + 1) + 2
+        ids += [IMAGE] * n + [7]
+        types += [1] * n + [0]
+    ids += [9, 10, 11]
+    types += [0, 0, 0]
+    width = vc.num_channels * vc.patch_size**2
+    return add_pixels(_sample(ids, types), images, [], seed, (width,))

@@ -1,8 +1,10 @@
-"""HY-V4-VL: its tower adds a row per line of merged patches, so it is refused."""
+"""HY-V4-VL: its tower merges each frame on its own and adds a newline row after each line of
+merged patches (``t * h/2 * (w/2 + 1)`` output rows per grid row); one placeholder span per image
+and per video, typed 1 and 2 for its multimodal RoPE."""
 
 import transformers
 
-from hf_zoo._common import IMAGE, VIDEO, instantiate, mrope
+from hf_zoo._common import IMAGE, VIDEO, _sample, add_pixels, instantiate, mrope
 
 
 def build():
@@ -51,3 +53,18 @@ def build():
     return instantiate(
         transformers.HYV4VLForConditionalGeneration, config, attn="eager", vision_attn="sdpa"
     )
+
+
+def batch(model, images, videos, seed):
+    vc = model.config.vision_config
+    merge = vc.spatial_merge_size
+    ids, types = [5, 6], [0, 0]
+    for token, kind, grids in ((IMAGE, 1, images), (VIDEO, 2, videos)):
+        for t, h, w in grids:
+            n = t * (h // merge) * (w // merge + 1)
+            ids += [token] * n + [7]
+            types += [kind] * n + [0]
+    ids += [9, 10, 11]
+    types += [0, 0, 0]
+    width = vc.num_channels * vc.patch_size**2
+    return add_pixels(_sample(ids, types), images, videos, seed, (width,))

@@ -1,8 +1,10 @@
-"""Inkling2: its image grids count LM tokens and the tower adds CLS rows, so it is refused."""
+"""Inkling2: images only; its grids count LM tokens, each pixel row is one token's
+``(m*p, m*p, C)`` block, and its tower keeps a class row per image in ``last_hidden_state``
+(its parent reads ``pooler_output``, one row per token)."""
 
 import transformers
 
-from hf_zoo._common import IMAGE, instantiate
+from hf_zoo._common import IMAGE, _sample, add_pixels, instantiate
 
 
 def build(config_cls="Inkling2Config", model_cls="Inkling2ForConditionalGeneration", **text):
@@ -47,3 +49,13 @@ def build(config_cls="Inkling2Config", model_cls="Inkling2ForConditionalGenerati
     # The text model (relative-position bias, sinks) supports eager attention only.
     model = getattr(transformers, model_cls)
     return instantiate(model, config, attn="eager", vision_attn="sdpa")
+
+
+def batch(model, images, videos, seed):
+    vc = model.config.vision_config
+    ids = [5, 6]
+    for t, h, w in images:
+        ids += [IMAGE] * (t * h * w) + [7]
+    ids += [9, 10, 11]
+    side = vc.spatial_merge_size * vc.patch_size
+    return add_pixels(_sample(ids), images, [], seed, (side, side, vc.num_channels))

@@ -1,6 +1,8 @@
-"""Inkling2-Loop: Inkling2 with looped text layers and Inkling2's tower, so it is refused."""
+"""Inkling2-Loop: Inkling2 with looped text layers and Inkling2's tower and batches."""
 
 from hf_zoo import inkling2
+
+batch = inkling2.batch
 
 
 def build():

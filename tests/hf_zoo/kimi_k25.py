@@ -1,9 +1,10 @@
-"""Kimi-K2.5: its tower attends across a chunk's frames and averages them (``h*w/4`` tokens per
-grid row whatever ``t`` is), so it is refused."""
+"""Kimi-K2.5: its tower attends across a clip's frames and averages them (``h*w/4`` rows of
+shape ``(4, C)`` per grid row whatever ``t`` is); pixel rows are ``(3, p, p)`` patches; one
+placeholder group per image and per clip."""
 
 import transformers
 
-from hf_zoo._common import QWEN_TOKENS, instantiate
+from hf_zoo._common import IMAGE, QWEN_TOKENS, VEND, VIDEO, VSTART, _sample, add_pixels, instantiate
 
 
 def build():
@@ -46,3 +47,14 @@ def build():
         **QWEN_TOKENS,
     )
     return instantiate(transformers.Kimi_K25ForConditionalGeneration, config)
+
+
+def batch(model, images, videos, seed):
+    vc = model.config.vision_config
+    merge = vc.merge_kernel_size[0] * vc.merge_kernel_size[1]
+    ids = [5, 6]
+    for token, grids in ((IMAGE, images), (VIDEO, videos)):
+        for _, h, w in grids:
+            ids += [VSTART] + [token] * (h * w // merge) + [VEND, 7]
+    ids += [9, 10, 11]
+    return add_pixels(_sample(ids), images, videos, seed, (3, vc.patch_size, vc.patch_size))
