@@ -8,6 +8,7 @@ from fx_vitbal.config import BalanceConfig, add_vit_balance_args
 from fx_vitbal.cost import ArchitectureCost, PolynomialCost, QuadraticCost
 from fx_vitbal.encoder import dp_balance_vit_encoder, enable_vit_balance
 from fx_vitbal.integrations import hf  # noqa: F401  (registers its entry point; no transformers import)
+from fx_vitbal.integrations.hf_inputs import CallConvention
 from fx_vitbal.integrations.hf_towers import HFTowerRule, register_hf_tower
 from fx_vitbal.measure import BalanceStats, add_stats_callback
 from fx_vitbal.plan import Plan, solve_plan
@@ -33,6 +34,7 @@ __all__ = [
     "VisionEncoderSpec",
     "register_hf_tower",
     "HFTowerRule",
+    "CallConvention",
     # row bands of one frame on several ranks (a ViT that runs them)
     "BandSupport",
     "Bands",

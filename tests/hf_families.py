@@ -72,9 +72,9 @@ FAMILIES = {
     "inkling2": Exact(videos=False),
     "inkling2_loop": Exact(videos=False),
     "kimi_k25": Exact(),
-    "minicpm_ocr": Refused("MiniCPMOcrVisionModel"),
-    "minicpmv4_6": Refused("MiniCPMV4_6VisionModel"),
-    "minicpmv4_7": Refused("MiniCPMV4_7VisionModel"),
+    "minicpm_ocr": Exact(),
+    "minicpmv4_6": Exact(),
+    "minicpmv4_7": Exact(),
     "step3p7": Refused("Step3p7VisionModel"),
     "video_llama_3": Refused("VideoLlama3VisionModel"),
 }

@@ -1,7 +1,11 @@
-"""A Hugging Face tower whose grid rows make other row counts than ``t*h*w`` or
-``t*h*w / merge**2`` (``HFTowerRule.output_rows``): balanced exactly on every path its rows go
-through (in place with a text-only rank, planned ahead, replica sets), and a rule that counts
-them wrongly raises on every rank instead of restoring rows into the wrong images."""
+"""Hugging Face towers that differ from the Qwen contract in their geometry or call. A tower
+whose grid rows make other row counts than ``t*h*w`` or ``t*h*w / merge**2``
+(``HFTowerRule.output_rows``) is balanced exactly on every path its rows go through (in place
+with a text-only rank, planned ahead, replica sets), and a rule that counts them wrongly raises on
+every rank instead of restoring rows into the wrong images. A tower with a call convention of its
+own (MiniCPM-V's strips, ``CallConvention``) given pixels that do not fit it raises on every
+rank, not on its own while the others wait. (Every shipped family runs in
+``test_hf_families.py``.)"""
 
 import pytest
 import torch
@@ -154,3 +158,20 @@ def _miscounted(rank: int, world: int) -> str:
 def test_a_rule_that_miscounts_the_rows_raises_on_every_rank():
     errors = run_ranks(_miscounted, 2)
     assert all("output_rows counts" in error for error in errors), errors
+
+
+def _unfit_strip(rank: int, world: int) -> str:
+    from hf_zoo import minicpm_ocr
+
+    tower = fx_vitbal.enable_vit_balance(minicpm_ocr.build().model.vision_tower)
+    c, p = tower.config.num_channels, tower.config.patch_size
+    patches = 8 * 8 if rank == 0 else 8 * 8 - 1  # rank 1's strip is a column short of 8x8
+    strip = torch.randn(1, c, p, patches * p - (rank == 1))
+    with pytest.raises(ValueError) as caught:
+        tower(strip, target_sizes=torch.tensor([[8, 8]], dtype=torch.int32))
+    return str(caught.value)
+
+
+def test_pixels_that_do_not_fit_a_call_convention_raise_on_every_rank():
+    errors = run_ranks(_unfit_strip, 2)
+    assert all("rank 1: the tower's pixels or grid do not fit" in e for e in errors), errors

@@ -18,6 +18,7 @@ ENTRY_POINTS = [
         "fx_vitbal.integrations.hf",
         "fx_vitbal.integrations.hf_towers",
         "fx_vitbal.integrations.hf_outputs",
+        "fx_vitbal.integrations.hf_inputs",
     },
     {"fx_vitbal.passes.backend", "fx_vitbal.passes.vit_balance", "fx_vitbal.passes.subgraph"},
 ]

@@ -43,6 +43,13 @@ from torch import nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.integrations import hf_bands
+from fx_vitbal.integrations.hf_inputs import (
+    as_rows,
+    modalities,
+    tower_batch,
+    tower_call,
+    tower_parts,
+)
 from fx_vitbal.integrations.hf_outputs import (
     as_tuple,
     asks_only,
@@ -83,10 +90,6 @@ PRECOMPUTED_KWARGS = (
     "merged_shape",
     "frame_index",
     "temporal_merge_index",
-)
-_MODALITIES = (
-    ("image", "pixel_values", "image_grid_thw"),
-    ("video", "pixel_values_videos", "video_grid_thw"),
 )
 
 
@@ -219,17 +222,18 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     def run(rows, grid, split):
         if rule.pixel_shape is not None:
             rows = rows.reshape(-1, *rule.pixel_shape(tower.config))
-        fed = rows.unsqueeze(0) if rule.batched_pixels else rows
         extra = {}
         if bands and split is not None:  # the tower's inputs from the plan's host copy
             extra = hf_bands.band_kwargs(tower, rule.bands, split, rows.device)
-        extra[rule.grid_argument] = extra.pop("grid_thw", grid)
+        fed, extra[rule.grid_argument] = tower_call(rule, tower, rows, extra.pop("grid_thw", grid))
         out = original(fed, return_dict=True, **kwargs, **extra)
         return restored_rows(rule, out), out
 
-    rows = pixels.squeeze(0) if rule.batched_pixels else pixels
+    rows, grid_thw, unfit = as_rows(rule, tower, pixels, grid_thw)
+    problem = problem or unfit
     if problem:  # only the plan runs: the tower never sees these pixels
-        rows = rows.new_empty(0, *rows.shape[1:])
+        width = rows.shape[1:] if rows is not None else (rule.pixel_width(tower.config),)
+        rows = pixels.new_empty(0, *width)
         grid_thw = torch.zeros(0, 3, dtype=torch.long, device=rows.device)
     bands = bands and not torch.compiler.is_compiling()
     outputs, out, _ = run_balanced(
@@ -266,24 +270,28 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     config, group, _, _, rule, merge, _ = tower._vitbal_hf
     active = active_group(tower, config, group) is not None
     kwargs = {**dict(zip(params[: len(args)], args, strict=True)), **kwargs}
-    if not active and all(kwargs.get(key) is None for _, key, _ in _MODALITIES):
+    if not active and all(kwargs.get(key) is None for _, key, _ in modalities(rule)):
         return None
     problem = 0  # raised on every rank by the tower call's plan, never here alone
     if kwargs.get("mm_encoder_outputs") is not None:
         problem = PROBLEMS["mm_encoder_outputs"]
-    parts = _tower_parts(tower, rule, kwargs, one_frame_rows=not active)
+    parts = tower_parts(tower, rule, kwargs, one_frame_rows=not active)
     device = tower.device if not active else collectives.exchange_device(tower._vitbal_hf.group)
-    pixels, grid, mixed = _tower_batch(tower, parts, device)
+    pixels, grid, mixed = tower_batch(tower, parts, device)
     problem = problem or mixed
     if problem and not active:  # no collective to keep: this rank alone raises
         raise ValueError(f"vit dp balance: {describe_problem(problem)}")
-    fed = pixels.unsqueeze(0) if rule.batched_pixels else pixels
-    out = tower(fed, **{rule.grid_argument: grid}, vitbal_problem=problem)
+    fed, fed_grid = tower_call(rule, tower, pixels, grid)
+    convention = rule.convention
+    called = convention.tower_kwargs(module, kwargs) if convention is not None else {}
+    out = tower(fed, **{rule.grid_argument: fed_grid}, **called, vitbal_problem=problem)
     # What the parent's forward passes its feature methods besides pixels and grid.
-    extra = {k: v for k, v in kwargs.items() if k not in params and k != "return_dict"}
+    passed = convention.feature_kwargs if convention is not None else ()
+    extra = {k: v for k, v in kwargs.items() if k not in params or k in passed}
+    extra.pop("return_dict", None)
     features, start = {}, 0
-    for modality, part_pixels, part_grid, fed_grid in parts:
-        stop = start + part_pixels.shape[0]
+    for modality, part_pixels, part_grid, part_rows, fed_grid in parts:
+        stop = start + part_rows.shape[0]
         area = merge**2
         if rule.output_rows is not None:  # (a host read of a device grid, as such towers do)
             stop, area = start + sum(rule.output_rows(*g, merge) for g in fed_grid.tolist()), 0
@@ -301,36 +309,6 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     return (), {**kwargs, "mm_encoder_outputs": features}
 
 
-def _tower_parts(tower, rule: HFTowerRule, kwargs: dict, one_frame_rows: bool) -> list[tuple]:
-    """``(modality, pixels, grid as given, grid as fed to the tower)`` of each modality present,
-    popped from ``kwargs``, pixels in the tower's dtype. ``one_frame_rows``: videos as one grid
-    row per frame where the rule says the tower needs it (a host read of a device grid); a
-    balanced call gets its frames from the plan's units instead."""
-    parts = []
-    for modality, pixel_key, grid_key in _MODALITIES:
-        if kwargs.get(pixel_key) is not None:
-            grid = kwargs[grid_key]
-            split = one_frame_rows and rule.one_frame_rows and modality == "video"
-            split = split and _is_integer_grid(grid)
-            fed = _one_frame_rows(grid) if split else grid
-            parts.append((modality, kwargs.pop(pixel_key).type(tower.dtype), grid, fed))
-    return parts
-
-
-def _tower_batch(tower, parts: list[tuple], device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The one tower call's ``(pixels, grid, problem)``: the parts joined (images, then videos),
-    or an empty batch on ``device`` with a problem code when their row widths differ, or none
-    is present."""
-    problem = PROBLEMS["modalities_differ"] if len({p[1].shape[1:] for p in parts}) > 1 else 0
-    if parts and not problem:
-        pixels = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        grid = torch.cat([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
-        return pixels, grid, 0
-    width = tower._vitbal_hf.rule.pixel_width(tower.config)
-    pixels = torch.zeros(0, width, dtype=tower.dtype, device=device)
-    return pixels, torch.zeros(0, 3, dtype=torch.long, device=device), problem
-
-
 def plan_input(module, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
     """A batch of a balanced VLM (or tower, ``module``) as its one balanced tower call will see
     it: ``(pixels, grid)`` for ``fx_vitbal.plan_ahead``.
@@ -346,24 +324,11 @@ def plan_input(module, pixel_values, image_grid_thw, pixel_values_videos, video_
         "pixel_values_videos": pixel_values_videos,
         "video_grid_thw": video_grid_thw,
     }
-    parts = _tower_parts(tower, tower._vitbal_hf.rule, batch, one_frame_rows=False)
-    pixels, grid, problem = _tower_batch(tower, parts, torch.device("cpu"))
+    parts = tower_parts(tower, tower._vitbal_hf.rule, batch, one_frame_rows=False)
+    pixels, grid, problem = tower_batch(tower, parts, torch.device("cpu"))
     if problem:
         raise ValueError(f"vit dp balance: {describe_problem(problem)}")
     return pixels, grid
-
-
-def _is_integer_grid(grid) -> bool:
-    """A grid ``_one_frame_rows`` can split; any other reaches the plan as given, which then
-    raises its error on every rank."""
-    return grid.dim() == 2 and grid.shape[1] == 3 and not grid.dtype.is_floating_point
-
-
-def _one_frame_rows(grid):
-    """``[t, h, w]`` rows as ``t`` rows ``[1, h, w]`` (what GLM's ``get_video_features`` feeds).
-    A non-positive ``t`` gives no row (the plan then raises on the rows it cannot match)."""
-    hw = torch.repeat_interleave(grid[:, 1:], grid[:, 0].clamp(min=0), dim=0)
-    return torch.cat([hw.new_ones(hw.shape[0], 1), hw], dim=1)
 
 
 def tower_files() -> dict[str, str]:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fx_vitbal.cost.static import ArchitectureCost
+from fx_vitbal.integrations.hf_inputs import STRIPS, CallConvention
 
 
 def _channels(c) -> int:  # configs call it either
@@ -91,6 +92,8 @@ class HFTowerRule:
     tower runs outside compiled graphs), never split into bands."""
     grid_argument: str = "grid_thw"
     """The name the tower's forward takes its grid by (Inkling2: ``image_grid_thw``)."""
+    convention: CallConvention | None = None
+    """How the tower and its parent pass pixels and grid, when not as the Qwen contract does."""
     text_only_embeds: bool = False
     """A rank without pixels ties its empty tower output into the autograd graph through the
     parent's input embeddings (plus the output's empty sum, an exact +0.0) instead of an empty
@@ -177,6 +180,17 @@ _QWEN3_BANDS = dict(_QWEN3, bands="qwen3")
 # Towers whose parent projects ``last_hidden_state``, with HF-style config names.
 _PROJECTED = dict(
     dims=_plain_dims, depth=_layers, merge_size=_config_merge, outputs=("last_hidden_state",)
+)
+_MINICPM = dict(  # a strip of patches and target sizes; the parent's merger projects
+    dims=_plain_dims,
+    depth=_layers,
+    pixel_width=_frame_patch_width,
+    merge_size=lambda tower: 2,  # its vit_merger's 2x2 windows ("16x"; "4x": a row per patch)
+    frames_independent=True,  # every frame is a row of its own in the target sizes
+    batched_outputs=True,
+    outputs=("last_hidden_state",),
+    grid_argument="target_sizes",
+    convention=STRIPS,
 )
 _GLM = dict(dims=_glm_dims, gated_mlp=True, frames_independent=True, one_frame_rows=True)
 
@@ -281,6 +295,9 @@ SHIPPED_RULES: dict[str, HFTowerRule] = {
         frames_independent=False,  # a clip's frames attend to each other, then are averaged
         output_rows=lambda t, h, w, m: h * w // m**2,  # one (m*m, C) row per merged patch
     ),
+    "MiniCPMOcrVisionModel": HFTowerRule(family="MiniCPM-OCR", **_MINICPM),
+    "MiniCPMV4_6VisionModel": HFTowerRule(family="MiniCPM-V 4.6", **_MINICPM),
+    "MiniCPMV4_7VisionModel": HFTowerRule(family="MiniCPM-V 4.7", **_MINICPM),
     "Glm4vVisionModel": HFTowerRule(family="GLM-4.1V, GLM-4.6V", bands="glm", **_GLM),
     "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", bands="glm", **_GLM),
     "GlmOcrVisionModel": HFTowerRule(family="GLM-OCR", **dict(_GLM, dims=_qwen_dims)),
@@ -288,15 +305,7 @@ SHIPPED_RULES: dict[str, HFTowerRule] = {
 }
 """The towers of transformers 5.x this package ships rules for, by class name."""
 
-_MINICPM = (
-    "MiniCPM-V's tower takes no grid_thw: each image is packed as (1, C, p, N*p) pixels with a "
-    "target size, and its parent's merger reads the last hidden state by target size"
-)
-
 REFUSED_TOWERS: dict[str, str] = {
-    "MiniCPMOcrVisionModel": _MINICPM,
-    "MiniCPMV4_6VisionModel": _MINICPM,
-    "MiniCPMV4_7VisionModel": _MINICPM,
     "Step3p7VisionModel": (
         "Step3p7's tower takes no grid (each call is one view size) and its parent calls it "
         "twice per step, for the global views and then the local crops"

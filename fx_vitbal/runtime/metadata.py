@@ -49,6 +49,7 @@ PROBLEMS = {
     "hidden_states": 9,
     "compiled_without_pixels": 10,
     "modalities_differ": 11,
+    "call_convention": 12,
 }
 
 
@@ -329,6 +330,10 @@ def _describe(status: int, arg0: int, arg1: int) -> str:
         ),
         PROBLEMS["modalities_differ"]: (
             "image and video pixels have different row widths, so one tower call cannot encode both"
+        ),
+        PROBLEMS["call_convention"]: (
+            "the tower's pixels or grid do not fit the call convention its rule declares "
+            "(HFTowerRule.convention)"
         ),
     }[status]
 

@@ -1,6 +1,8 @@
-"""MiniCPM-V 4.6: MiniCPM-OCR's modeling with other config defaults, refused like it."""
+"""MiniCPM-V 4.6: MiniCPM-OCR's modeling with other config defaults and batches."""
 
 from hf_zoo import minicpm_ocr
+
+batch = minicpm_ocr.batch
 
 
 def build():

@@ -1,8 +1,12 @@
-"""MiniCPM-V 4.7: MiniCPM-OCR's tower with canvas M-RoPE (its marker ids in the config), refused
-like it."""
+"""MiniCPM-V 4.7: MiniCPM-OCR's tower with canvas M-RoPE (its marker ids in the config), and
+batches."""
 
 from hf_zoo import minicpm_ocr
 from hf_zoo._common import VEND, VSTART
+
+
+def batch(model, images, videos, seed):
+    return minicpm_ocr.batch(model, images, videos, seed, markers=True)
 
 
 def build():
