@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import record_moves, run_ranks
+from dist_utils import record_collectives, record_moves, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,6 +143,38 @@ def test_supported_families_are_exact_on_two_ranks():
         if not any(moved):
             problems.append(f"{model_type}: no unit moved (a passthrough also matches)")
     assert problems == []
+
+
+def _checkpointed_split(rank: int, world: int, model_type: str, reentrant: bool) -> dict:
+    zoo = _zoo(model_type)
+    model = zoo.build()
+    batch = zoo.batch(model, *SPLIT_STEP[rank], seed=rank)
+    want = _step(model, batch)
+    model = zoo.build()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    fx_vitbal.enable_vit_balance(model, config=SPLIT)
+    stats = []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    with record_collectives() as issued:
+        got = _step(model, batch)
+    handle.remove()
+    backward = [name for phase, name, _, _ in issued if phase == "backward"]
+    return {
+        "difference": max(map(_difference, got, want)),
+        "split_units": stats[-1].split_units,
+        "exchanges": backward.count("all_to_all"),
+    }
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_split_frame_under_gradient_checkpointing_recomputes_its_exchange_in_lockstep(reentrant):
+    """Hugging Face gradient checkpointing inside a tower running bands: the recompute runs each
+    full-attention layer's key/value exchange again during backward, on every rank, and the
+    gradients stay exact (Qwen2-VL's tiny tower: 2 full-attention layers)."""
+    for res in run_ranks(_checkpointed_split, 2, "qwen2_vl", reentrant):
+        assert res["difference"] < 1e-5 and res["split_units"] == 2, res
+        # The outputs' gradients home, each layer's key/value gradients, each layer's recompute.
+        assert res["exchanges"] == 1 + 2 + 2, res
 
 
 @pytest.mark.parametrize(
