@@ -66,7 +66,6 @@ def modality_rows(out, rule: HFTowerRule, start: int, stop: int, pixel_rows: int
     ``pixel_rows`` rows: each field (or list entry) has one row per pixel row or one per
     ``merge2`` (merged), told apart by its length. No host read: the bounds are row counts.
     With ``merge2=0``, ``start:stop`` are the fields' own rows (a rule's ``output_rows``)."""
-    fields = rule.outputs
 
     def take(x):
         if x is None:
@@ -76,13 +75,13 @@ def modality_rows(out, rule: HFTowerRule, start: int, stop: int, pixel_rows: int
         x = x[start // per : stop // per]
         return x.unsqueeze(0) if rule.batched_outputs else x
 
-    return output_with(
-        out,
-        {
-            name: type(v)(map(take, v)) if isinstance(v, (list, tuple)) else take(v)
-            for name, v in ((name, out[name]) for name in fields)
-        },
-    )
+    fields = {}
+    for name in rule.outputs:
+        value = out[name]
+        fields[name] = (
+            type(value)(map(take, value)) if isinstance(value, (list, tuple)) else take(value)
+        )
+    return output_with(out, fields)
 
 
 @torch.compiler.disable
