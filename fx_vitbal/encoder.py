@@ -22,7 +22,13 @@ from torch import nn
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.runtime import handover
 from fx_vitbal.runtime.call import run_balanced, stand_in_pixels
-from fx_vitbal.runtime.settings import DEFAULT_CONFIG, active_group, layout_token, planner_for
+from fx_vitbal.runtime.settings import (
+    DEFAULT_CONFIG,
+    active_group,
+    layout_token,
+    planner_for,
+    splits_images,
+)
 from fx_vitbal.runtime.vits import (
     EntryPoint,
     entry_points,
@@ -31,7 +37,6 @@ from fx_vitbal.runtime.vits import (
     regenerate_window_index,
     register_entry_point,
     unwrap_module,
-    vision_encoder_spec,
 )
 
 
@@ -153,7 +158,7 @@ def _balanced_call(
         embeds, window_index, deepstack = call(pixels, grid, **kwargs)
         return [embeds, *deepstack], window_index
 
-    runs_bands = not torch.compiler.is_compiling() and vision_encoder_spec(vit).bands is not None
+    runs_bands = splits_images(vit, planner)
     outputs, window_index, routing = run_balanced(
         run, pixel_values, image_grid_thw, merge, planner, dist_info, True, vit, problem, runs_bands
     )

@@ -9,7 +9,14 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import record_collectives, record_moves, run_ranks, train_step
+from dist_utils import (
+    UNBACKED_BATCH_SIZES,
+    fullgraph_capture,
+    record_collectives,
+    record_moves,
+    run_ranks,
+    train_step,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,9 +230,9 @@ def test_bands_give_the_unsplit_outputs_and_gradients_on_every_rank(world, windo
 
 
 def _paths(rank: int, world: int) -> dict:
-    """In place, planned ahead, through the FX pass and the same graph compiled (which plans
-    whole frames) on the reference VLM, then replica sets (2 x 2) on the bare ViT: each
-    against the unsplit run."""
+    """In place, planned ahead, through the FX pass and the same graph compiled (aot_eager,
+    graph breaks at the ops) on the reference VLM, then replica sets (2 x 2) on the bare ViT:
+    each against the unsplit run."""
     grids = GRIDS[4][rank]
 
     def model():
@@ -250,7 +257,7 @@ def _paths(rank: int, world: int) -> dict:
     results["ahead"] = (step, planned.plan.applied and stats[-1].split_units, gathers)
     gm = apply_vit_balance_pass(symbolic_trace(model()), config=CONFIG)
     results["fx"] = (train_step(gm, grids, rank), stats[-1].split_units)
-    # The same graph compiled: traced, its ViT cannot take Bands, so its plan keeps frames whole.
+    # The same graph compiled: its ViT takes the tensor form of Bands.
     compiled = apply_vit_balance_pass(symbolic_trace(model()), config=CONFIG)
     compiled = torch.compile(compiled, backend="aot_eager")
     results["compiled"] = (train_step(compiled, grids, rank), stats[-1].split_units)
@@ -266,7 +273,7 @@ def _paths(rank: int, world: int) -> dict:
     return {"want": want, **results}
 
 
-def test_in_place_planned_ahead_fx_and_replica_sets_split_exactly_and_compiled_plans_frames():
+def test_in_place_planned_ahead_fx_compiled_and_replica_sets_split_exactly():
     results = run_ranks(_paths, 4)
     for rank, res in enumerate(results):
         want_logits, want_grads = res["want"]
@@ -276,9 +283,63 @@ def test_in_place_planned_ahead_fx_and_replica_sets_split_exactly_and_compiled_p
                 error = (got - want).abs().max() / want.abs().max()
                 assert error <= 1e-5, (rank, path, float(error))
         assert res["in_place"][1] == 4 and res["ahead"][1] == 4 and res["ahead"][2] <= 1
-        assert res["fx"][1] == 4 and res["compiled"][1] == 0
+        assert res["fx"][1] == 4 and res["compiled"][1] == 4
         embeds, want = res["replicas"]
         assert (embeds - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+# A step that splits the big frame, then one that splits nothing.
+COMPILED_STEPS = [GRIDS[2], [[[1, 8, 8]], [[1, 4, 4], [1, 8, 4]]]]
+
+
+def _compiled(rank: int, world: int) -> dict:
+    """The reference VLM through ``backend="vitbal"`` with ``fullgraph=True``: steps with and
+    without a split frame against the unsplit run, and the collectives of each step against the
+    same compiled model with ``split_images=False``."""
+
+    def model():
+        torch.manual_seed(0)
+        return OmniEncoderModel(ViTConfig(deepstack_indexes=(0,), depth=3), LMConfig(num_layers=1))
+
+    want = [train_step(model(), step[rank], rank) for step in COMPILED_STEPS]
+    stats = []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    options = {"inner": "aot_eager"}
+    results = {}
+    for name, config in (
+        ("split", CONFIG),
+        ("whole", dataclasses.replace(CONFIG, split_images=False)),
+    ):
+        run = fx_vitbal.enable_vit_balance(model(), config=config)
+        run = torch.compile(run, backend="vitbal", fullgraph=True, options=options)
+        torch._dynamo.utils.counters.clear()
+        steps = []
+        for step in COMPILED_STEPS:
+            with fullgraph_capture(), record_collectives() as issued:
+                got = train_step(run, step[rank], rank, unbacked=UNBACKED_BATCH_SIZES)
+            steps.append((got, stats[-1].split_units, [(p, n) for p, n, _, _ in issued]))
+        results[name] = (steps, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    handle.remove()
+    return {"want": want, **results}
+
+
+def test_compiled_fullgraph_steps_split_exactly_and_a_step_without_a_split_keeps_collectives():
+    results = run_ranks(_compiled, 2)
+    for rank, res in enumerate(results):
+        steps, graphs = res["split"]
+        for (got, _, _), want in zip(steps, res["want"], strict=True):
+            for g, w in zip(got, want, strict=True):
+                assert (g - w).abs().max() <= 1e-5 * w.abs().max(), rank
+        assert [split for _, split, _ in steps] == [2, 0]
+        if UNBACKED_BATCH_SIZES:  # one graph serves the split step and the other
+            assert graphs == 1, graphs
+        split_step, other_step = (issued for _, _, issued in steps)
+        assert other_step == res["whole"][0][1][2]  # no split: the collectives of whole frames
+        # Split: pixels out and outputs home, and one key/value exchange per full-attention
+        # layer (3); backward, the outputs' gradients out (the pixels need none) and the three.
+        assert split_step.count(("forward", "all_to_all")) == 2 + 3, split_step
+        assert split_step.count(("backward", "all_to_all")) == 1 + 3, split_step
+    assert results[0]["split"][0][0][2] == results[1]["split"][0][0][2]  # lockstep
 
 
 def _bf16(rank: int, world: int) -> dict:

@@ -53,14 +53,14 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     visual_1 = self.visual
     in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
     layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
-    runs_eagerly = fx_vitbal_runtime_bands_runs_eagerly()
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"bands": {"align": 2, "exchange_layers": 2, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, bands = runs_eagerly);  image_grid_thw = in_balancing_mode = layout_token = None
+    plans_bands = fx_vitbal_runtime_bands_plans_bands(True)
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"bands": {"align": 2, "exchange_layers": 2, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, bands = plans_bands);  image_grid_thw = in_balancing_mode = layout_token = plans_bands = None
     getitem_10 = plan_default[0]
     getitem_11 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_11, 4, [4], None, '0')
     getitem_12 = redistribute_default[0];  redistribute_default = None
-    bands_of = fx_vitbal_runtime_bands_bands_of(getitem_11, runs_eagerly);  runs_eagerly = None
-    visual = self.visual(getitem_12, getitem_10, vitbal_bands = bands_of);  getitem_10 = bands_of = None
+    bands_for_vit = fx_vitbal_runtime_bands_bands_for_vit(getitem_11, getitem_10, '0', True)
+    visual = self.visual(getitem_12, getitem_10, vitbal_bands = bands_for_vit);  getitem_10 = bands_for_vit = None
     getitem_13 = visual[0]
     getitem_14 = visual[2];  visual = None
     getitem_15 = getitem_14[0];  getitem_14 = None
@@ -100,14 +100,14 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     visual_1 = self.visual
     in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
     layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
-    runs_eagerly = fx_vitbal_runtime_bands_runs_eagerly()
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"bands": {"align": 4, "exchange_layers": 1, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, bands = runs_eagerly);  in_balancing_mode = layout_token = None
+    plans_bands = fx_vitbal_runtime_bands_plans_bands(True)
+    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"bands": {"align": 4, "exchange_layers": 1, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, bands = plans_bands);  in_balancing_mode = layout_token = plans_bands = None
     getitem_10 = plan_default[0]
     getitem_11 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_11, 4, [4], None, '0')
     getitem_12 = redistribute_default[0];  redistribute_default = None
-    bands_of = fx_vitbal_runtime_bands_bands_of(getitem_11, runs_eagerly);  runs_eagerly = None
-    visual = self.visual(getitem_12, getitem_10, vitbal_bands = bands_of);  getitem_10 = bands_of = None
+    bands_for_vit = fx_vitbal_runtime_bands_bands_for_vit(getitem_11, getitem_10, '0', True)
+    visual = self.visual(getitem_12, getitem_10, vitbal_bands = bands_for_vit);  getitem_10 = bands_for_vit = None
     getitem_13 = visual[0];  visual = None
     size = getitem_12.size(0);  getitem_12 = None
     output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_13], size, 4);  size = None
@@ -129,7 +129,7 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
         plan = next(n for n in gm.graph.nodes if n.target is torch.ops.vitbal.plan.default)
         self.assertExpectedInline(
             f"{plan.args[4:]} {plan.kwargs}",
-            """(2, '0', in_balancing_mode, layout_token) {'replicas': [0, 1], 'bands': runs_eagerly}""",
+            """(2, '0', in_balancing_mode, layout_token) {'replicas': [0, 1], 'bands': plans_bands}""",
         )
         self.assertIn("replicas = [0, 1]", gm.code)
 

@@ -24,9 +24,10 @@ from fx_vitbal.passes.subgraph import (
     rewrite_subgraph_call,
     vit_subgraph_calls,
 )
-from fx_vitbal.runtime.bands import bands_of, runs_eagerly
+from fx_vitbal.runtime.bands import bands_for_vit, plans_bands
 from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
 from fx_vitbal.runtime.settings import (
+    allows_bands,
     group_name_and_size,
     in_balancing_mode,
     layout_token,
@@ -195,13 +196,15 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
     bound = inspect.signature(unwrap_module(module).forward).bind(*node.args, **node.kwargs)
     pixels_name, grid_name = list(bound.arguments)[:2]
     pixels, grid = bound.arguments[pixels_name], bound.arguments[grid_name]
-    runs_bands = vision_encoder_spec(module).bands is not None
+    support = vision_encoder_spec(module).bands
+    runs_bands = support is not None and allows_bands(planner)
+    compiled = runs_bands and support.compiled
     with graph.inserting_before(node):
         # Decided as the graph runs: in eval mode (unless when="always") nothing is collective.
         vit = graph.get_attr(node.target)
         active = graph.call_function(in_balancing_mode, (vit, when))
         token = graph.call_function(layout_token, (vit,))
-        eager = graph.call_function(runs_eagerly, ()) if runs_bands else None
+        asks = graph.call_function(plans_bands, (compiled,)) if runs_bands else None
         pixels_b, grid_b, routing = insert_plan_and_redistribute(
             graph,
             pixels,
@@ -213,13 +216,15 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
             active,
             token,
             replicas,
-            eager,
+            asks,
         )
-        bands = graph.call_function(bands_of, (routing, eager)) if runs_bands else None
+        if runs_bands:
+            split = (routing, grid_b, group_name, compiled)
+            bands = graph.call_function(bands_for_vit, split)
     bound.arguments[pixels_name] = pixels_b
     bound.arguments[grid_name] = grid_b
     node.args, node.kwargs = bound.args, bound.kwargs
-    if runs_bands:  # a ViT that runs bands gets them as the graph runs as Python
+    if runs_bands:  # as Python on a step that splits a frame; compiled, its tensor form
         node.kwargs = {**node.kwargs, "vitbal_bands": bands}
 
     deep_keys = sorted(k for k in uses if len(k) == 2)

@@ -23,7 +23,7 @@ import torch
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.plan.bands import is_band, unit_rows
-from fx_vitbal.runtime import collectives
+from fx_vitbal.runtime import collectives, transfer
 from fx_vitbal.runtime.collectives import resolve_group
 from fx_vitbal.runtime.moves import merged_ranges
 
@@ -46,10 +46,14 @@ class BandLayout:
     pieces: list[tuple[int, int, int]]
     """``(source, first, end)`` runs of the local tensor (``LOCAL``) or of what arrived from a
     rank, which make the result in order."""
+    exchange: bool = True
+    """False on a step that splits no frame (a compiled tower gathers on every step): each unit
+    attends over its own rows, the result is the local tensor and no collective runs."""
 
     def to_tensor(self) -> torch.Tensor:
         world = len(self.in_splits)
-        values = [world, len(self.send), len(self.pieces), *self.in_splits, *self.out_splits]
+        values = [world, len(self.send), len(self.pieces), int(self.exchange)]
+        values += [*self.in_splits, *self.out_splits]
         values += [v for run in self.send for v in run]
         values += [v for piece in self.pieces for v in piece]
         return torch.tensor(values, dtype=torch.int64, device="cpu")
@@ -60,8 +64,8 @@ class BandLayout:
         parsed = getattr(layout, "_vitbal_band_layout", None)
         if parsed is None:
             values = layout.tolist()  # a CPU tensor: no device sync
-            world, sends, pieces = values[:3]
-            body = values[3:]
+            world, sends, pieces, exchange = values[:4]
+            body = values[4:]
             runs = body[2 * world : 2 * world + 2 * sends]
             parts = body[2 * world + 2 * sends : 2 * world + 2 * sends + 3 * pieces]
             parsed = cls(
@@ -69,6 +73,7 @@ class BandLayout:
                 in_splits=body[:world],
                 out_splits=body[world : 2 * world],
                 pieces=[tuple(parts[i : i + 3]) for i in range(0, len(parts), 3)],
+                exchange=bool(exchange),
             )
             layout._vitbal_band_layout = parsed
         return parsed
@@ -108,16 +113,29 @@ class Bands:
     whole unit, the whole frame's for a band (``key_rows``). Every rank of the group must call
     ``gather`` in the same layers, in the same order: a rank without bands too (its tower runs
     anyway), and never in a window layer (windows stay inside a band).
+
+    Under ``torch.compile`` (a tower declared ``BandSupport(compiled=True)``) the graph cannot
+    branch on the plan, so the tower gets ``vitbal_bands`` on every step, in its tensor form:
+    ``units`` is None and ``unit_table`` holds the same numbers; on a step that splits nothing,
+    ``gather`` returns a copy of its input and no collective runs.
     """
 
-    def __init__(self, units: list[BandUnit], layout: torch.Tensor | None, group_name: str) -> None:
+    def __init__(
+        self,
+        units: list[BandUnit] | None,
+        layout: torch.Tensor | None,
+        group_name: str,
+        table: torch.Tensor | None = None,
+    ) -> None:
         self.units = units
         self.layout = layout
         self.group_name = group_name
+        self.table = table
 
     @property
     def split(self) -> bool:
-        """Whether this step's plan splits a frame (``gather`` may only be called then)."""
+        """Whether this step's plan splits a frame (``gather`` may only be called then); always
+        True in the tensor form (the graph serves every step)."""
         return self.layout is not None
 
     @property
@@ -125,10 +143,23 @@ class Bands:
         """Per unit: the patch rows ``gather`` returns for it (every frame's, for a whole unit)."""
         return [u.frames * u.full_rows * u.width for u in self.units]
 
+    def unit_table(self, device: torch.device) -> torch.Tensor:
+        """``units`` as an int64 ``[units, 5]`` tensor on ``device``, one row ``(frames, rows,
+        first_row, full_rows, width)`` per unit: what a tower needs to place its bands with
+        tensor ops only (the one form a compiled tower has)."""
+        if self.table is not None:
+            return self.table
+        values = [[u.frames, u.rows, u.first_row, u.full_rows, u.width] for u in self.units]
+        table = torch.tensor(values, dtype=torch.int64, device="cpu").view(-1, 5)
+        return transfer.to_device(table, device)
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (one row per local patch, in batch order) as the rows each unit attends over:
         a collective of the balancing group, with autograd (see the class doc)."""
-        return torch.ops.vitbal.band_gather(x, self.layout, self.group_name)
+        rows = torch.ops.vitbal.band_gather(x, self.layout, self.group_name)
+        if torch.compiler.is_compiling():  # every rank computes a unit: a compiler cannot know
+            torch._check(rows.shape[0] >= 1)
+        return rows
 
 
 class _OneProcess(Bands):
@@ -148,20 +179,46 @@ def frame_in_bands(frame: tuple[int, int, int], parts: int) -> Bands:
     return _OneProcess([BandUnit(1, rows, i * rows, h, w) for i in range(parts)], layout, "")
 
 
-def runs_eagerly() -> bool:
-    """Whether the graph calling this runs as Python (an FX graph the pass rewrote), where its
-    ViT can take ``Bands``; False while dynamo traces it (``torch.compile``), so the plan op it
-    bakes into the compiled graph plans whole frames."""
-    return not torch.compiler.is_compiling()
+def plans_bands(compiled: bool) -> bool:
+    """Whether a call of a ViT that runs bands asks its plan for them: always when the call runs
+    as Python (an FX graph the pass rewrote), where its ViT takes ``Bands``; under
+    ``torch.compile`` only for a tower that runs their tensor form (``compiled``:
+    ``BandSupport.compiled``), else the plan op baked into the graph plans whole frames."""
+    return compiled or not torch.compiler.is_compiling()
 
 
-def bands_of(routing: torch.Tensor, eager: bool) -> Bands | None:
-    """The ``Bands`` an FX graph's ViT call gets: the plan's, on a step that splits a frame and
-    a graph running as Python (``runs_eagerly``); else None."""
-    if not eager:
-        return None
+def bands_for_vit(
+    routing: torch.Tensor, grid: torch.Tensor, group_name: str, compiled: bool
+) -> Bands | None:
+    """The ``vitbal_bands`` a ViT call gets (``Bands``): as Python, the plan's on a step that
+    splits a frame, else None; under ``torch.compile``, for a tower that runs the tensor form
+    (``compiled``), that form on every step (``vitbal::band_tables``), else None."""
+    if torch.compiler.is_compiling():
+        if not compiled:
+            return None
+        table, layout = torch.ops.vitbal.band_tables(routing, grid)
+        return Bands(None, layout, group_name, table)
     bands = getattr(routing, "_vitbal_bands", None)
     return bands if bands is not None and bands.split else None
+
+
+@torch.library.custom_op("vitbal::band_tables", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
+def band_tables(routing: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensor form of a step's ``Bands``: its ``unit_table`` on the grid's device and its
+    exchange's layout (``BandLayout``). A plan that splits nothing (or made none: balancing off)
+    gives whole units, read from the grid on its device, and a layout that exchanges nothing."""
+    bands = getattr(routing, "_vitbal_bands", None)
+    if bands is not None and bands.split:
+        return bands.unit_table(grid.device), bands.layout
+    t, h, w = grid.to(torch.int64).unbind(1)
+    table = torch.stack([t, h, torch.zeros_like(h), h, w], 1)
+    return table, BandLayout([], [], [], [], exchange=False).to_tensor()
+
+
+@band_tables.register_fake
+def _(routing, grid):
+    layout = routing.new_empty(torch.library.get_ctx().new_dynamic_size())
+    return grid.new_empty(grid.shape[0], 5, dtype=torch.int64), layout
 
 
 def whole_units(rows: Sequence[Sequence[int]]) -> list[BandUnit]:
@@ -263,6 +320,8 @@ def band_gather(x: torch.Tensor, layout: torch.Tensor, group_name: str) -> torch
     """``Bands.gather``: the rows each local unit attends over, local rows and the other bands'
     rows arrived in one ``all_to_all`` (``BandLayout``)."""
     plan = BandLayout.of(layout)
+    if not plan.exchange:  # a step that splits nothing: every unit attends over its own rows
+        return x.clone(memory_format=torch.contiguous_format)  # the layout the fake promises
     flat = x.reshape(x.shape[0], -1)
     sent = _rows(flat, plan.send)
     arrived = flat.new_empty(sum(plan.out_splits), flat.shape[1])
@@ -289,6 +348,8 @@ def band_scatter(
     local rows' here, in piece order; the arrived rows' sent back, then summed in send order);
     ``rows``: the local rows."""
     plan = BandLayout.of(layout)
+    if not plan.exchange:
+        return grad.clone(memory_format=torch.contiguous_format)
     flat = grad.reshape(grad.shape[0], -1)
     local = flat.new_zeros(rows, flat.shape[1])
     back = [flat.new_zeros(n, flat.shape[1]) for n in plan.out_splits]

@@ -10,6 +10,7 @@ from torch import nn
 
 from fx_vitbal.measure import clock as step_clock
 from fx_vitbal.runtime import collectives, ops, planning, transfer
+from fx_vitbal.runtime.bands import bands_for_vit
 from fx_vitbal.runtime.metadata import PROBLEMS
 from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.settings import layout_token
@@ -59,8 +60,9 @@ def run_balanced(
     whose trainable parameters' gradients mark the end of its backward for the measured times
     (``fx_vitbal.measure.clock``; eager only: compiled calls report no time). ``problem``: a
     ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank. ``bands``:
-    ``run`` can run row bands of a frame (``runtime.bands``; eager only): it gets the batch's
-    ``Bands`` (``Bands.split`` on a step whose plan splits a frame), else None.
+    ``run`` can run row bands of a frame (``runtime.bands``): it gets the batch's ``Bands``
+    (``Bands.split`` on a step whose plan splits a frame), else None; under ``torch.compile``
+    (only for a tower that runs them so) their tensor form, on every step.
     ``output_rows``: ``unit (t, h, w) -> rows`` of every output, for a ViT whose outputs have
     other row counts than ``t*h*w`` or ``t*h*w / merge**2`` per unit (eager only): ``restore``
     then moves each unit's rows by a routing that counts them so (``planning._rows_routing``).
@@ -84,7 +86,7 @@ def run_balanced(
         problem,
         compiling,
         list(replicas) or None,
-        bands and not compiling,
+        bands,
     )
     # A problem is raised by the plan on every rank; its output keeps the op in the graph. With
     # a plan made ahead (no gather), the rank's batch counts as not planned instead: it takes
@@ -100,7 +102,11 @@ def run_balanced(
             return (*run(pixel_values, grid, getattr(routing, "_vitbal_bands", None)), routing)
         pixel_values = _taking_part(pixel_values, route)
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
-    outputs, extra = run(pixels, grid, getattr(routing, "_vitbal_bands", None))
+    if compiling:
+        split = bands_for_vit(routing, grid, group_name, bands)
+    else:
+        split = getattr(routing, "_vitbal_bands", None)
+    outputs, extra = run(pixels, grid, split)
     check_now = ops.no_backward_will_come(outputs)
     if output_rows is not None:
         restored = _restore_rows(

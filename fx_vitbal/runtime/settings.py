@@ -25,6 +25,7 @@ from fx_vitbal.cost.static import (
     cost_to_spec,
 )
 from fx_vitbal.plan.bands import BandRule
+from fx_vitbal.runtime.bands import plans_bands
 from fx_vitbal.runtime.routing import ROUTING_HEADER
 from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
 
@@ -69,6 +70,20 @@ def band_rule_of(spec: str) -> BandRule | None:
     """The bands a planner spec allows (``planner_spec``), or None."""
     bands = json.loads(spec).get("bands")
     return None if bands is None else BandRule(**bands)
+
+
+def splits_images(vit: nn.Module, planner: str) -> bool:
+    """Whether a call of ``vit`` planned by ``planner`` asks its plan for row bands: the ViT
+    runs them (``vits.BandSupport``), ``split_images`` is on (the planner allows them), and
+    under ``torch.compile`` it runs their tensor form (``BandSupport.compiled``)."""
+    support = vision_encoder_spec(vit).bands
+    return support is not None and allows_bands(planner) and plans_bands(support.compiled)
+
+
+@torch.compiler.assume_constant_result
+def allows_bands(planner: str) -> bool:
+    """Whether ``planner`` (a planner spec) may split a frame into bands."""
+    return band_rule_of(planner) is not None
 
 
 def planner_spec_for(

@@ -86,7 +86,8 @@ class VisionEncoderSpec:
 class BandSupport:
     """A ViT that computes row bands of a frame (``fx_vitbal.plan.bands``): on a step whose plan
     splits a frame, its ``forward`` gets a keyword ``vitbal_bands`` (a ``fx_vitbal.Bands``; on
-    other steps none): it places each band's patches at the frame's rows
+    other steps none; compiled, with ``compiled``, its tensor form on every step): it places
+    each band's patches at the frame's rows
     (``Bands.units[i].first_row``), and in every layer that attends over whole frames it
     attends from a band's queries over ``Bands.gather``'s keys and values (the whole frame's).
     Each field is a number, or a function of the ViT instance giving it."""
@@ -98,6 +99,10 @@ class BandSupport:
     """Layers that attend over whole frames (each gathers keys and values once)."""
     width: int | Callable[[nn.Module], int]
     """Values per patch of its keys (and of its values): heads x head size."""
+    compiled: bool = False
+    """Its ``forward`` also runs under ``torch.compile`` from the tensor form of ``Bands``
+    (``unit_table`` and ``gather``; then it gets ``vitbal_bands`` on every step). Without it, a
+    compiled call plans whole frames."""
 
     def of(self, vit: nn.Module) -> tuple[int, int, int]:
         """``(align rows, exchanging layers, width)`` of ``vit``."""

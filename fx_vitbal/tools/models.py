@@ -112,16 +112,37 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
-def _attend_bands(q: Tensor, k: Tensor, v: Tensor, bands, lengths) -> Tensor:
+def _attend_bands(q: Tensor, k: Tensor, v: Tensor, bands, frames) -> Tensor:
     """Attention of ``[heads, N, head_dim]`` tensors where the local units attend over the keys
-    and values ``bands.gather`` brings (a band's: its whole frame's); ``lengths``: per frame,
-    ``(query rows, key rows)``."""
+    and values ``bands.gather`` brings (a band's: its whole frame's). ``frames``: a list, per
+    frame ``(query rows, key rows)``; or for the tensor form of ``Bands`` (compiled; a compiled
+    call's tower may also run as Python after a graph break), ``(each query row's frame, unit
+    table)``."""
     # Keys and values side by side: one exchange per layer.
     kv = bands.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
     k_all, v_all = kv.chunk(2, -1)
-    queries, keys = zip(*lengths, strict=True)
+    if isinstance(frames, tuple):  # one dense attention: a query sees its frame's keys
+        query_frames, table = frames
+        mask = query_frames[:, None] == _key_frames(table, kv.shape[1])[None, :]
+        return masked_attention(q, k_all, v_all, mask)
+    queries, keys = zip(*frames, strict=True)
     parts = zip(q.split(queries, 1), k_all.split(keys, 1), v_all.split(keys, 1), strict=True)
     return torch.cat([_sdpa_4d(*qkv) for qkv in parts], 1)
+
+
+def _key_frames(table: Tensor, keys: int) -> Tensor:
+    """The frame (numbered as ``_patch_layout`` numbers them) of each of the ``keys`` rows
+    ``Bands.gather`` returns, from the unit table alone: unit by unit, every frame's rows of a
+    whole unit, the whole frame's rows of a band."""
+    frames, _, _, full_rows, width = table.unbind(1)
+    frame_rows = full_rows * width
+    key_rows = frames * frame_rows
+    arange = torch.arange(table.shape[0], device=table.device)
+    unit = torch.repeat_interleave(arange, key_rows, output_size=keys)
+    first_key = torch.cumsum(key_rows, 0) - key_rows
+    first_frame = torch.cumsum(frames, 0) - frames
+    local = torch.arange(keys, device=table.device) - first_key[unit]
+    return first_frame[unit] + local // frame_rows[unit].clamp_min(1)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
@@ -314,14 +335,20 @@ class QwenStyleViT(nn.Module):
         frame_id, row, col = _patch_layout(image_grid_thw, num_patches, m)
         full = None
         if vitbal_bands is not None:
-            units = vitbal_bands.units
-            first_rows = torch.tensor([u.first_row for u in units], device=row.device)
-            patches = torch.tensor([u.frames * u.rows * u.width for u in units], device=row.device)
+            table = vitbal_bands.unit_table(row.device)
+            frames, rows, first_rows, _, width = table.unbind(1)
+            patches = frames * rows * width
             row = row + torch.repeat_interleave(first_rows, patches, output_size=num_patches)
-            lengths = [
-                (u.rows * u.width, u.full_rows * u.width) for u in units for _ in range(u.frames)
-            ]
-            full = (vitbal_bands, lengths)
+            if vitbal_bands.units is None:  # the tensor form (compiled)
+                full = (vitbal_bands, (frame_id, table))
+            else:
+                units = vitbal_bands.units
+                lengths = [
+                    (u.rows * u.width, u.full_rows * u.width)
+                    for u in units
+                    for _ in range(u.frames)
+                ]
+                full = (vitbal_bands, lengths)
         cos, sin = self._rotary(row, col, pixel_values.dtype)
         x = self.patch_embed(pixel_values)
 
@@ -386,5 +413,6 @@ register_vision_encoder(
         align_rows=lambda vit: vit.spatial_merge_size * (vit.config.window_size or 1),
         exchange_layers=_full_attention_blocks,
         width=lambda vit: vit.config.hidden,
+        compiled=True,
     ),
 )
