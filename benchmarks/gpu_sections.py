@@ -46,6 +46,10 @@ from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 # Rank 0 sheds units, rank 1 receives them, rank 2 has no image (it computes a dummy unit).
 GRIDS = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]], []]
 MANY = [[[1, 2, 2]] * 36 + [[1, 16, 12]], [[1, 2, 2]], []]  # 37 grid rows: past the inline 32
+# One 32x32-patch frame binds the step: split into row bands on the three ranks (the l**2 model
+# prices no exchange; the tiny tower's would cost more than its compute at GPU speeds).
+BANDS = fx_vitbal.BalanceConfig(cost_model="quadratic", min_band_patches=64)
+BAND_GRIDS = [[[1, 32, 32]], [[1, 4, 4]], []]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Path:
     syncs: int = 1  # library host syncs per steady step: the gathered metadata
     error: str = ""  # the same ValueError expected on every rank
     sets: tuple = ()  # replica sets (``replica_group``): a set's ranks hold its batch
+    config: fx_vitbal.BalanceConfig | None = None  # BANDS: a frame must be split every step
 
 
 RANK_PATHS = [
@@ -70,6 +75,7 @@ RANK_PATHS = [
     Path("many_images", grids=MANY, syncs=2),  # the grids' second gather is read too
     # 2 replica sets of 2: set 0 holds rank 0's skewed batch, set 1 (ranks 2, 3) none.
     Path("replica_sets", grids=[GRIDS[0], GRIDS[0], [], []], sets=((0, 1), (2, 3))),
+    Path("bands", grids=BAND_GRIDS, config=BANDS),  # keys and values exchanged in every layer
     Path("bad_grid", error="rank 1: image_grid_thw row 0: h and w must be multiples"),
     Path(
         "not_as_planned",
@@ -97,12 +103,14 @@ def ranks_section(ctx: Context) -> None:
         if ctx.expired():
             ctx.record(name, "SKIP", "section time limit")
             continue
-        models = [balanced_and_reference(path.how, base) for _ in path.grids]
+        models = [balanced_and_reference(path.how, base, path.config) for _ in path.grids]
+        splits = SplitUnits()
         try:
             run = functools.partial(
                 rank_path, path, models, waits=waits, moves=moves, steady=steady
             )
-            results = run_ranks(len(path.grids), run)
+            with splits:
+                results = run_ranks(len(path.grids), run)
         except Exception as error:  # noqa: BLE001  (one path's failure; the next still runs)
             traceback.print_exc()
             print(f"| {path.name} | {'exception (traceback above) | ' * 7}**FAIL** |")
@@ -120,23 +128,46 @@ def ranks_section(ctx: Context) -> None:
         per_step = [[(s, w) for _, s, w in steps] for steps in results]
         syncs, event_waits = waits.describe(per_step)
         sent = moves.sent[path.name]
-        ok = close and sent > 0 and waits.check(per_step, path.syncs)
-        print(f"| {path.name} | {diffs} | {tol:g} | {sent} | {syncs} (expected {path.syncs}) | "
-              f"{event_waits} | {'PASS' if ok else '**FAIL**'} |")  # fmt: skip
+        split = splits.every_step(path.config)
+        ok = close and sent > 0 and waits.check(per_step, path.syncs) and split
+        result = "PASS" if ok else "**FAIL**"
+        print(f"| {path.name} | {diffs} | {tol:g} | {sent}{splits.cell(path.config)} | {syncs} "
+              f"(expected {path.syncs}) | {event_waits} | {result} |")  # fmt: skip
         note = f"match {close}, {sent} units sent, syncs {waits.check(per_step, path.syncs)}"
+        note += f", split every step {split}" if path.config else ""
         ctx.record(name, "PASS" if ok else "FAIL", note)
     print()
 
 
-def balanced_and_reference(how: str, base) -> tuple:
+def balanced_and_reference(how: str, base, config=None) -> tuple:
     """One rank's balanced model (the FX pass itself runs in the rank's thread: it reads the
-    group) and its unbalanced copy."""
+    group; ``config`` goes to the in-place model) and its unbalanced copy."""
     balanced, reference = copy.deepcopy(base), copy.deepcopy(base)
     if how == "eager":
         return balanced.visual, reference.visual
     if how == "fx":
         return symbolic_trace(balanced), reference
-    return fx_vitbal.enable_vit_balance(balanced), reference
+    return fx_vitbal.enable_vit_balance(balanced, config=config), reference
+
+
+class SplitUnits:
+    """Within ``with``: every balanced call's ``BalanceStats.split_units`` (the ranks are
+    threads: one callback hears them all), to tell a path meant to split whether it did."""
+
+    def __enter__(self):
+        self.counts = []
+        self._handle = fx_vitbal.add_stats_callback(lambda s: self.counts.append(s.split_units))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+    def every_step(self, config) -> bool:
+        """True for a path not meant to split; else whether every call split a frame."""
+        return config is None or (bool(self.counts) and min(self.counts) > 0)
+
+    def cell(self, config) -> str:
+        return "" if config is None else f" (bands per call: {sorted(set(self.counts))})"
 
 
 def rank_path(path: Path, models, rank: int, *, waits: HostWaits, moves: Moves, steady: int):
@@ -204,17 +235,27 @@ COMPILED_STEPS = [
 ]
 
 
+# A step that splits the big frame (the reference tower takes the tensor form of the bands in
+# the graph), then steps that split nothing: one graph must serve them all.
+BAND_STEPS = [BAND_GRIDS, COMPILED_STEPS[1], BAND_GRIDS]
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledPath:
     name: str
     fx: bool  # the FX-pass graph (else the model balanced in place, then a plan made ahead)
     cudagraphs: bool = False  # compiled with CUDA graphs: each step marks its start
+    config: fx_vitbal.BalanceConfig | None = None  # BANDS: in-place model, BAND_STEPS
 
 
 def compiled_section(ctx: Context) -> None:
     """The FX-pass graph and the in-place model, compiled ``fullgraph=True`` through the
     ``vitbal`` backend on the three threaded ranks."""
-    paths = [CompiledPath("fx_fullgraph", fx=True), CompiledPath("wrapped_ahead", fx=False)]
+    paths = [
+        CompiledPath("fx_fullgraph", fx=True),
+        CompiledPath("wrapped_ahead", fx=False),
+        CompiledPath("wrapped_bands", fx=False, config=BANDS),
+    ]
     run_compiled(ctx, "compiled", paths, {"options": {"inner": ctx.inner}}, ctx.inner)
 
 
@@ -258,15 +299,17 @@ def run_compiled(ctx: Context, section: str, paths, compile_kwargs: dict, compil
             ctx.record(name, "SKIP", "section time limit")
             continue
         torch._dynamo.utils.counters.clear()
-        models = [balanced_and_reference("fx" if path.fx else "in_place", base) for _ in range(3)]
-        graphs = {}
+        how = "fx" if path.fx else "in_place"
+        models = [balanced_and_reference(how, base, path.config) for _ in range(3)]
+        graphs, splits = {}, SplitUnits()
 
         kwargs = {"waits": waits, "moves": moves, "graphs": graphs, "backend": backend}
         run = functools.partial(
             compiled_rank, path, models, compile_kwargs=compile_kwargs, **kwargs
         )
         try:
-            results = run_ranks(3, run)
+            with splits:
+                results = run_ranks(3, run)
         except Exception as error:  # noqa: BLE001
             traceback.print_exc()
             print(f"| {path.name} | {'exception (traceback above) | ' * 10}**FAIL** |")
@@ -278,7 +321,9 @@ def run_compiled(ctx: Context, section: str, paths, compile_kwargs: dict, compil
         syncs, event_waits = waits.describe(per_step)
         one_graph = graphs["first"] == graphs["end"] == 3
         sent = moves.sent[path.name]
-        ok = close and one_graph and sent > 0 and waits.check(per_step, 1)
+        # Bands: the band steps split (each call's plan reports it), the others not.
+        split = path.config is None or splits.counts.count(0) < len(splits.counts)
+        ok = close and one_graph and sent > 0 and waits.check(per_step, 1) and split
         planned = "n/a"
         if not path.fx:
             applied = all(r["planned"][1] for r in results)
@@ -291,7 +336,8 @@ def run_compiled(ctx: Context, section: str, paths, compile_kwargs: dict, compil
             planned = f"{applied}, {shown}, max diff {worst:.1e}"
             ok = ok and applied and planned_close and syncs_ok
         seconds = ", ".join(f"{s:.1f}" for s in results[0]["seconds"])
-        print(f"| {path.name} | {diffs} | {TOL.compiled:g} | {sent} | {graphs['first']} / "
+        print(f"| {path.name} | {diffs} | {TOL.compiled:g} | {sent}{splits.cell(path.config)} | "
+              f"{graphs['first']} / "
               f"{graphs['end']} | {seconds} | {syncs} | {event_waits} | {planned} | "
               f"{'PASS' if ok else '**FAIL**'} |")  # fmt: skip
         status[path.name] = f"match {close}, one graph a rank {one_graph}, {sent} units sent"
@@ -311,10 +357,11 @@ def compiled_rank(path, models, rank, *, waits, moves, graphs, backend, compile_
     device = next(reference.parameters()).device
     # CUDA graphs warm up on a batch size's first run, record on its second and replay from its
     # third: step 0's batch comes back twice (and once more, planned ahead).
-    schedule = COMPILED_STEPS + [COMPILED_STEPS[0]] * (2 if path.cudagraphs else 0)
+    first = BAND_STEPS if path.config else COMPILED_STEPS
+    schedule = first + [first[0]] * (2 if path.cudagraphs else 0)
     steps, seconds = [], []
     for i, step_grids in enumerate(schedule):
-        inputs = inputs_for(step_grids[rank], 10 * (i % len(COMPILED_STEPS)) + rank, device)
+        inputs = inputs_for(step_grids[rank], 10 * (i % len(first)) + rank, device)
         want = train_step(reference, inputs)
         marked(inputs, path.cudagraphs)
         waits.take()
@@ -331,7 +378,7 @@ def compiled_rank(path, models, rank, *, waits, moves, graphs, backend, compile_
                 ]
     planned = None
     if not path.fx:  # a plan made ahead, taken inside the same compiled graph
-        inputs = inputs_for(COMPILED_STEPS[0][rank], rank, device)
+        inputs = inputs_for(first[0][rank], rank, device)
         want = train_step(reference, inputs)
         ahead = fx_vitbal.plan_ahead(run, inputs[1], inputs[2], group=dist.group.WORLD)
         fx_vitbal.use_plan(run, ahead)
