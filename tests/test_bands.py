@@ -231,8 +231,8 @@ def test_bands_give_the_unsplit_outputs_and_gradients_on_every_rank(world, windo
 
 def _paths(rank: int, world: int) -> dict:
     """In place, planned ahead, through the FX pass and the same graph compiled (aot_eager,
-    graph breaks at the ops) on the reference VLM, then replica sets (2 x 2) on the bare ViT:
-    each against the unsplit run."""
+    graph breaks at the ops) on the reference VLM, then replica sets (2 x 2) on the bare ViT,
+    eagerly and compiled with ``fullgraph=True``: each against the unsplit run."""
     grids = GRIDS[4][rank]
 
     def model():
@@ -261,15 +261,23 @@ def _paths(rank: int, world: int) -> dict:
     compiled = apply_vit_balance_pass(symbolic_trace(model()), config=CONFIG)
     compiled = torch.compile(compiled, backend="aot_eager")
     results["compiled"] = (train_step(compiled, grids, rank), stats[-1].split_units)
-    handle.remove()
     # Replica sets: ranks 0 and 1 hold the big frame, 2 and 3 a small batch.
     sets = [[0, 1], [2, 3]]
     vit = _vit(windows=False)
     _, pixels, grid = make_inputs(GRIDS[2][rank // 2], in_dim=24, seed=rank // 2)
-    embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(
-        vit, pixels, grid, config=CONFIG, replica_group=sets[rank // 2]
-    )
-    results["replicas"] = (embeds, vit(pixels, grid)[0])
+
+    def balanced(pixels, grid):
+        return fx_vitbal.dp_balance_vit_encoder(
+            vit, pixels, grid, config=CONFIG, replica_group=sets[rank // 2]
+        )[0]
+
+    want_embeds = vit(pixels, grid)[0]
+    results["replicas"] = (balanced(pixels, grid), want_embeds)
+    compiled = torch.compile(balanced, backend="aot_eager", fullgraph=True)
+    with fullgraph_capture():
+        embeds = compiled(pixels, grid)
+    results["replicas_compiled"] = (embeds, want_embeds, stats[-1].split_units)
+    handle.remove()
     return {"want": want, **results}
 
 
@@ -286,6 +294,8 @@ def test_in_place_planned_ahead_fx_compiled_and_replica_sets_split_exactly():
         assert res["fx"][1] == 4 and res["compiled"][1] == 4
         embeds, want = res["replicas"]
         assert (embeds - want).abs().max() <= 1e-5 * want.abs().max()
+        embeds, want, split = res["replicas_compiled"]  # fullgraph: the tensor form
+        assert (embeds - want).abs().max() <= 1e-5 * want.abs().max() and split == 4
 
 
 # A step that splits the big frame, then one that splits nothing.
