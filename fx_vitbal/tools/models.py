@@ -16,11 +16,11 @@ grid_thw towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), so this stand-in reproduces th
   rows; the parent un-permutes and merges/projects after the balancer has moved rows home. With
   ``ViTConfig(merged_output=True)`` the tower merges itself (Hugging Face's ``pooler_output``).
 
-The tower has two attention paths with the same math. Eager loops over segments with one
-``scaled_dot_product_attention`` per segment, so its cost per image grows with that image's own
-tokens squared (the benchmarks rely on this). Under ``torch.compile`` it runs one dense attention
-with a block-diagonal mask built from tensor ops only, so the no-window tower traces with
-``fullgraph=True`` even when the row count is an unbacked size.
+The tower has two attention paths with the same math (``fx_vitbal.tools.attention``): eagerly
+one ``scaled_dot_product_attention`` per segment, under ``torch.compile`` one dense attention
+under a block-diagonal mask, so the no-window tower traces with ``fullgraph=True`` even when the
+row count is an unbacked size. It runs row bands of a frame split across ranks
+(``BandSupport``), in their tensor form when compiled.
 
 The parent VLM around it is ``fx_vitbal.tools.omni``.
 """
@@ -28,11 +28,11 @@ The parent VLM around it is ``fx_vitbal.tools.omni``.
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fx_vitbal.cost.static import ArchitectureCost
 from fx_vitbal.runtime.vits import BandSupport, register_vision_encoder
+from fx_vitbal.tools.attention import Segments, attend, attend_bands, segments_of
 
 __all__ = ["QwenStyleViT", "ViTConfig"]
 
@@ -90,76 +90,6 @@ class ViTConfig:
             raise ValueError(f"window_size must be None or >= 1, got {self.window_size!r}")
         _check_indexes("fullatt_block_indexes", self.fullatt_block_indexes, self.depth)
         _check_indexes("deepstack_indexes", self.deepstack_indexes, self.depth)
-
-
-# Attention segments are either a list of row counts (eager: one attention call per segment) or a
-# boolean [N, N] block-diagonal mask (compiling: one dense call, no data-dependent Python).
-Segments = list[int] | Tensor
-
-
-def _segments(ids: Tensor) -> Segments:
-    """Segments from per-row segment ids, where each segment is one contiguous run of equal ids."""
-    if torch.compiler.is_compiling():
-        return ids[:, None] == ids[None, :]
-    return torch.unique_consecutive(ids, return_counts=True)[1].tolist()
-
-
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Attention of ``[heads, N, head_dim]`` tensors under a boolean ``mask``, written out: torch
-    2.14's ``scaled_dot_product_attention`` cannot be traced by dynamo with an unbacked ``N``
-    (it guards on ``N == 0``), and the same graph on every torch keeps snapshots stable."""
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-
-
-def _attend_bands(q: Tensor, k: Tensor, v: Tensor, bands, frames) -> Tensor:
-    """Attention of ``[heads, N, head_dim]`` tensors where the local units attend over the keys
-    and values ``bands.gather`` brings (a band's: its whole frame's). ``frames``: a list, per
-    frame ``(query rows, key rows)``; or for the tensor form of ``Bands`` (compiled; a compiled
-    call's tower may also run as Python after a graph break), ``(each query row's frame, unit
-    table)``."""
-    # Keys and values side by side: one exchange per layer.
-    kv = bands.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
-    k_all, v_all = kv.chunk(2, -1)
-    if isinstance(frames, tuple):  # one dense attention: a query sees its frame's keys
-        query_frames, table = frames
-        mask = query_frames[:, None] == _key_frames(table, kv.shape[1])[None, :]
-        return masked_attention(q, k_all, v_all, mask)
-    queries, keys = zip(*frames, strict=True)
-    parts = zip(q.split(queries, 1), k_all.split(keys, 1), v_all.split(keys, 1), strict=True)
-    return torch.cat([_sdpa_4d(*qkv) for qkv in parts], 1)
-
-
-def _key_frames(table: Tensor, keys: int) -> Tensor:
-    """The frame (numbered as ``_patch_layout`` numbers them) of each of the ``keys`` rows
-    ``Bands.gather`` returns, from the unit table alone: unit by unit, every frame's rows of a
-    whole unit, the whole frame's rows of a band."""
-    frames, _, _, full_rows, width = table.unbind(1)
-    frame_rows = full_rows * width
-    key_rows = frames * frame_rows
-    arange = torch.arange(table.shape[0], device=table.device)
-    unit = torch.repeat_interleave(arange, key_rows, output_size=keys)
-    first_key = torch.cumsum(key_rows, 0) - key_rows
-    first_frame = torch.cumsum(frames, 0) - frames
-    local = torch.arange(keys, device=table.device) - first_key[unit]
-    return first_frame[unit] + local // frame_rows[unit].clamp_min(1)
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
-    """Attention of ``[heads, N, head_dim]`` tensors restricted to ``segments``."""
-    if isinstance(segments, Tensor):
-        return masked_attention(q, k, v, segments)
-    if not segments:
-        # Empty batch: a zero-row attention keeps the parameters in the autograd graph.
-        return F.scaled_dot_product_attention(q, k, v)
-    parts = zip(q.split(segments, 1), k.split(segments, 1), v.split(segments, 1), strict=True)
-    # 4-D inputs: CUDA then runs a flash / memory-efficient kernel; with 3-D ones it falls back
-    # to the math kernel, which stores every [N, N] score matrix (OOM at Qwen2-VL sizes).
-    return torch.cat([_sdpa_4d(*qkv) for qkv in parts], 1)
-
-
-def _sdpa_4d(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -245,7 +175,7 @@ class _VisionBlock(PreNormBlock):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        out = _attend(q, k, v, segments) if bands is None else _attend_bands(q, k, v, *bands)
+        out = attend(q, k, v, segments) if bands is None else attend_bands(q, k, v, *bands)
         x = x + self.proj(out.transpose(0, 1).flatten(1))
         return x + self.mlp(self.norm2(x))
 
@@ -361,9 +291,9 @@ class QwenStyleViT(nn.Module):
             )
             arange = torch.arange(window_lengths.shape[0], device=x.device)
             window_id = torch.repeat_interleave(arange, window_lengths, output_size=num_patches)
-            window_segments = _segments(window_id)
+            window_segments = segments_of(window_id)
         # Windows are frame-major, so each frame is still one contiguous run after reordering.
-        frame_segments = _segments(frame_id)
+        frame_segments = segments_of(frame_id)
 
         deepstack = []
         for i, block in enumerate(self.blocks):

@@ -12,14 +12,8 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from fx_vitbal.tools.models import (
-    Merger,
-    PreNormBlock,
-    QwenStyleViT,
-    ViTConfig,
-    gather_blocks,
-    masked_attention,
-)
+from fx_vitbal.tools.attention import masked_attention
+from fx_vitbal.tools.models import Merger, PreNormBlock, QwenStyleViT, ViTConfig, gather_blocks
 
 __all__ = ["LMConfig", "OmniEncoderModel", "make_inputs"]
 

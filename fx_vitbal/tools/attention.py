@@ -1,0 +1,80 @@
+"""Attention of the reference models (``fx_vitbal.tools.models``, ``fx_vitbal.tools.omni``),
+with the same math on every path: eagerly one ``scaled_dot_product_attention`` per segment (a
+frame's cost grows with its own tokens squared, which the benchmarks rely on); under
+``torch.compile`` one dense attention under a block-diagonal mask built from tensor ops only (so
+the towers trace with ``fullgraph=True`` and unbacked row counts); and, on a step with bands, over
+the keys and values ``Bands.gather`` brings (a band's: its whole frame's).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Attention segments are either a list of row counts (eager: one attention call per segment) or a
+# boolean [N, N] block-diagonal mask (compiling: one dense call, no data-dependent Python).
+Segments = list[int] | Tensor
+
+
+def segments_of(ids: Tensor) -> Segments:
+    """Segments from per-row segment ids, where each segment is one contiguous run of equal ids."""
+    if torch.compiler.is_compiling():
+        return ids[:, None] == ids[None, :]
+    return torch.unique_consecutive(ids, return_counts=True)[1].tolist()
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention of ``[heads, N, head_dim]`` tensors under a boolean ``mask``, written out: torch
+    2.14's ``scaled_dot_product_attention`` cannot be traced by dynamo with an unbacked ``N``
+    (it guards on ``N == 0``), and the same graph on every torch keeps snapshots stable."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def attend_bands(q: Tensor, k: Tensor, v: Tensor, bands, frames) -> Tensor:
+    """Attention of ``[heads, N, head_dim]`` tensors where the local units attend over the keys
+    and values ``bands.gather`` brings (a band's: its whole frame's). ``frames``: a list, per
+    frame ``(query rows, key rows)``; or for the tensor form of ``Bands`` (compiled; a compiled
+    call's tower may also run as Python after a graph break), ``(each query row's frame, unit
+    table)``."""
+    # Keys and values side by side: one exchange per layer.
+    kv = bands.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
+    k_all, v_all = kv.chunk(2, -1)
+    if isinstance(frames, tuple):  # one dense attention: a query sees its frame's keys
+        query_frames, table = frames
+        mask = query_frames[:, None] == key_frames(table, kv.shape[1])[None, :]
+        return masked_attention(q, k_all, v_all, mask)
+    queries, keys = zip(*frames, strict=True)
+    parts = zip(q.split(queries, 1), k_all.split(keys, 1), v_all.split(keys, 1), strict=True)
+    return torch.cat([sdpa_4d(*qkv) for qkv in parts], 1)
+
+
+def key_frames(table: Tensor, keys: int) -> Tensor:
+    """The frame (numbered as ``_patch_layout`` numbers them) of each of the ``keys`` rows
+    ``Bands.gather`` returns, from the unit table alone: unit by unit, every frame's rows of a
+    whole unit, the whole frame's rows of a band."""
+    frames, _, _, full_rows, width = table.unbind(1)
+    frame_rows = full_rows * width
+    key_rows = frames * frame_rows
+    arange = torch.arange(table.shape[0], device=table.device)
+    unit = torch.repeat_interleave(arange, key_rows, output_size=keys)
+    first_key = torch.cumsum(key_rows, 0) - key_rows
+    first_frame = torch.cumsum(frames, 0) - frames
+    local = torch.arange(keys, device=table.device) - first_key[unit]
+    return first_frame[unit] + local // frame_rows[unit].clamp_min(1)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
+    """Attention of ``[heads, N, head_dim]`` tensors restricted to ``segments``."""
+    if isinstance(segments, Tensor):
+        return masked_attention(q, k, v, segments)
+    if not segments:
+        # Empty batch: a zero-row attention keeps the parameters in the autograd graph.
+        return F.scaled_dot_product_attention(q, k, v)
+    parts = zip(q.split(segments, 1), k.split(segments, 1), v.split(segments, 1), strict=True)
+    # 4-D inputs: CUDA then runs a flash / memory-efficient kernel; with 3-D ones it falls back
+    # to the math kernel, which stores every [N, N] score matrix (OOM at Qwen2-VL sizes).
+    return torch.cat([sdpa_4d(*qkv) for qkv in parts], 1)
+
+
+def sdpa_4d(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
