@@ -26,6 +26,7 @@ from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 from fx_vitbal.plan.bands import BandRule, exchange_scale, is_band, unit_rows
 from fx_vitbal.runtime.planning import plan_units
 from fx_vitbal.runtime.settings import band_rule_of, planner_spec_for
+from fx_vitbal.runtime.vits import vision_encoder_spec
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
@@ -329,11 +330,40 @@ def _compiled(rank: int, world: int) -> dict:
                 got = train_step(run, step[rank], rank, unbacked=UNBACKED_BATCH_SIZES)
             steps.append((got, stats[-1].split_units, [(p, n) for p, n, _, _ in issued]))
         results[name] = (steps, torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    # A tower that runs bands only as Python: compiled, its plan keeps frames whole.
+    torch.manual_seed(0)
+    vit = _EagerBandsViT(ViTConfig(deepstack_indexes=(0,), depth=3))
+    _, pixels, grid = make_inputs(GRIDS[2][rank], in_dim=24, seed=rank)
+
+    def balanced(pixels, grid):
+        return fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, config=CONFIG)[0]
+
+    splits = []
+    for call in (balanced, torch.compile(balanced, backend="aot_eager", fullgraph=True)):
+        with fullgraph_capture():
+            embeds = call(pixels, grid)
+        splits.append(stats[-1].split_units)
+    results["eager_bands_only"] = (embeds, vit(pixels, grid)[0], splits)
     handle.remove()
     return {"want": want, **results}
 
 
+class _EagerBandsViT(QwenStyleViT):
+    """The reference tower declared to run bands as Python only (``compiled=False``)."""
+
+
+_SPEC = vision_encoder_spec(QwenStyleViT(ViTConfig()))
+fx_vitbal.register_vision_encoder(
+    _EagerBandsViT,
+    frame_independent=True,
+    cost_model=_SPEC.cost_model,
+    bands=dataclasses.replace(_SPEC.bands, compiled=False),
+)
+
+
 def test_compiled_fullgraph_steps_split_exactly_and_a_step_without_a_split_keeps_collectives():
+    """The reference tower (the tensor form of bands) compiled with ``fullgraph=True``; a tower
+    that runs bands only as Python splits eagerly and keeps frames whole compiled."""
     results = run_ranks(_compiled, 2)
     for rank, res in enumerate(results):
         steps, graphs = res["split"]
@@ -350,6 +380,9 @@ def test_compiled_fullgraph_steps_split_exactly_and_a_step_without_a_split_keeps
         assert split_step.count(("forward", "all_to_all")) == 2 + 3, split_step
         assert split_step.count(("backward", "all_to_all")) == 1 + 3, split_step
     assert results[0]["split"][0][0][2] == results[1]["split"][0][0][2]  # lockstep
+    for res in results:  # eagerly split, compiled whole: exact both ways
+        embeds, want, splits = res["eager_bands_only"]
+        assert splits == [2, 0] and (embeds - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def _bf16(rank: int, world: int) -> dict:
