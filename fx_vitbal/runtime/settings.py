@@ -73,11 +73,12 @@ def band_rule_of(spec: str) -> BandRule | None:
 
 
 def splits_images(vit: nn.Module, planner: str) -> bool:
-    """Whether a call of ``vit`` planned by ``planner`` asks its plan for row bands: the ViT
-    runs them (``vits.BandSupport``), ``split_images`` is on (the planner allows them), and
-    under ``torch.compile`` it runs their tensor form (``BandSupport.compiled``)."""
-    support = vision_encoder_spec(vit).bands
-    return support is not None and allows_bands(planner) and plans_bands(support.compiled)
+    """Whether a call of ``vit`` planned by ``planner`` asks its plan for row bands:
+    ``split_images`` is on and the ViT runs them (the planner then has a band rule:
+    ``planner_spec_for``), and under ``torch.compile`` it runs their tensor form
+    (``BandSupport.compiled``). The planner is asked first: dynamo reads the registry of a
+    registered ViT only (torch 2.8 cannot trace the lookup's path for others)."""
+    return allows_bands(planner) and plans_bands(vision_encoder_spec(vit).bands.compiled)
 
 
 @torch.compiler.assume_constant_result
