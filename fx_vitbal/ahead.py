@@ -189,8 +189,9 @@ def _planned_module(model, vit, config) -> tuple[nn.Module, tuple[str, int], boo
 
 def _runs_bands(module: nn.Module) -> bool:
     """Whether the step's call of ``module`` runs row bands (``fx_vitbal.runtime.bands``): its
-    plan may split a frame. A plan that splits, handed to a call that cannot (a compiled one),
-    counts as a batch not as planned, on every rank."""
+    plan may split a frame. A plan that splits, handed to a call that cannot (a compiled call
+    of a tower without their tensor form, ``BandSupport.compiled``), counts as a batch not as
+    planned, on every rank."""
     if hasattr(module, "_vitbal_hf"):
         return module._vitbal_hf.bands
     return vision_encoder_spec(module).bands is not None
