@@ -142,6 +142,39 @@ def test_vit_marked_as_nested_compile_region_is_balanced_by_the_backend_in_one_g
     assert [res["graphs"] for res in results] == [1, 1]
 
 
+def _own_graph_breaks(rank: int, world: int) -> list:
+    """A tower with windows (it reads them on the host: a graph break inside the ViT, whose
+    ``forward`` dynamo then compiles as a frame of its own) through the backend, balanced in
+    place and as a rewritten FX graph: differences from the unbalanced run."""
+
+    def model():
+        torch.manual_seed(0)
+        vit = ViTConfig(deepstack_indexes=(0,), window_size=2, fullatt_block_indexes=(1,))
+        return OmniEncoderModel(vit, LMConfig(num_layers=1))
+
+    want = train_step(model(), STEPS[0][rank], rank)
+    options = {"inner": "aot_eager"}
+    runs = [
+        fx_vitbal.enable_vit_balance(model()),
+        apply_vit_balance_pass(symbolic_trace(model())),
+    ]
+    diffs = []
+    for run in runs:
+        with record_moves() as moves:
+            got = train_step(
+                torch.compile(run, backend="vitbal", options=options), STEPS[0][rank], rank
+            )
+        diffs.append(([float((g - w).abs().max()) for g, w in zip(got, want, strict=True)], moves))
+    return diffs
+
+
+def test_a_vit_breaking_its_own_graph_is_balanced_through_the_backend_not_refused():
+    results = run_ranks(_own_graph_breaks, 2)
+    for path in range(2):  # in place, FX graph
+        assert all(max(res[path][0]) <= 1e-5 for res in results), results
+        assert any(sum(res[path][1]) for res in results), results  # units moved
+
+
 @pytest.mark.parametrize("how", ["by_name", "factory"])
 def test_unbalanced_vit_through_the_vitbal_backend_is_refused(how):
     torch._dynamo.reset()

@@ -19,8 +19,10 @@ balancing while still giving plausible results. The backend raises instead.
 """
 
 import inspect
+import linecache
 import logging
 import re
+import sys
 
 import torch
 from torch import fx
@@ -135,9 +137,15 @@ def _refuse_unbalanced_vit(gm: fx.GraphModule) -> None:
     stack. The wrappers run the ViT from their entry points' files (``fx_vitbal/encoder.py``,
     ``integrations/hf.py``: ``runtime.vits.entry_points``), so a node with such a frame and none
     of those files was never wrapped. (ViTs nobody registered cannot
-    be recognized, and are not refused.)
+    be recognized, and are not refused.) A ViT that breaks its own graph (windows read on the
+    host, a band exchange without ``fullgraph``) is run between graphs by its balanced caller,
+    and dynamo compiles its ``forward`` as a frame of its own, with no caller in the traces: it
+    is recognized by the balanced call on the live stack while dynamo compiles
+    (``_inside_balanced_call``).
     """
     wrappers = [entry.source_file for entry in entry_points()]
+    if _inside_balanced_call(wrappers):
+        return
     forwards, hf_files = _vit_code()
     for node in gm.graph.nodes:
         trace = node.meta.get("stack_trace") or ""
@@ -153,6 +161,23 @@ def _refuse_unbalanced_vit(gm: fx.GraphModule) -> None:
                     "model with fx_vitbal.enable_vit_balance(model) first, or compile an FX graph "
                     "rewritten by apply_vit_balance_pass"
                 )
+
+
+def _inside_balanced_call(wrappers: list[str]) -> bool:
+    """Whether the frame dynamo compiles now runs inside a balanced ViT call: a live frame in an
+    entry point's file, or of an FX graph's code the pass rewrote (FX keeps that source in
+    ``linecache``)."""
+    frame = sys._getframe()
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if file in wrappers:
+            return True
+        if file.startswith("<eval_with_key>") and "vitbal.restore" in "".join(
+            linecache.getlines(file)
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 _FRAME = re.compile(r'File "(.+?)", line (\d+), in (\w+)')
