@@ -231,9 +231,10 @@ def test_bands_give_the_unsplit_outputs_and_gradients_on_every_rank(world, windo
 
 
 def _paths(rank: int, world: int) -> dict:
-    """In place, planned ahead, through the FX pass and the same graph compiled (aot_eager,
-    graph breaks at the ops) on the reference VLM, then replica sets (2 x 2) on the bare ViT,
-    eagerly and compiled with ``fullgraph=True``: each against the unsplit run."""
+    """In place, planned ahead, through the FX pass and the same graph compiled (the vitbal
+    backend over aot_eager, graph breaks at the ops) on the reference VLM, then replica sets
+    (2 x 2) on the bare ViT, eagerly and compiled with ``fullgraph=True``: each against the
+    unsplit run."""
     grids = GRIDS[4][rank]
 
     def model():
@@ -258,9 +259,10 @@ def _paths(rank: int, world: int) -> dict:
     results["ahead"] = (step, planned.plan.applied and stats[-1].split_units, gathers)
     gm = apply_vit_balance_pass(symbolic_trace(model()), config=CONFIG)
     results["fx"] = (train_step(gm, grids, rank), stats[-1].split_units)
-    # The same graph compiled: its ViT takes the tensor form of Bands.
+    # The same graph compiled through the vitbal backend (graph breaks at the ops): its ViT
+    # takes the tensor form of Bands.
     compiled = apply_vit_balance_pass(symbolic_trace(model()), config=CONFIG)
-    compiled = torch.compile(compiled, backend="aot_eager")
+    compiled = torch.compile(compiled, backend="vitbal", options={"inner": "aot_eager"})
     results["compiled"] = (train_step(compiled, grids, rank), stats[-1].split_units)
     # Replica sets: ranks 0 and 1 hold the big frame, 2 and 3 a small batch.
     sets = [[0, 1], [2, 3]]
