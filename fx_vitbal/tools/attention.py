@@ -34,33 +34,18 @@ def attend_bands(q: Tensor, k: Tensor, v: Tensor, bands, frames) -> Tensor:
     """Attention of ``[heads, N, head_dim]`` tensors where the local units attend over the keys
     and values ``bands.gather`` brings (a band's: its whole frame's). ``frames``: a list, per
     frame ``(query rows, key rows)``; or for the tensor form of ``Bands`` (compiled; a compiled
-    call's tower may also run as Python after a graph break), ``(each query row's frame, unit
-    table)``."""
+    call's tower may also run as Python after a graph break), ``(each query row's frame,
+    key_frames)``, where ``key_frames(rows)`` numbers the frames of the gathered rows alike."""
     # Keys and values side by side: one exchange per layer.
     kv = bands.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
     k_all, v_all = kv.chunk(2, -1)
     if isinstance(frames, tuple):  # one dense attention: a query sees its frame's keys
-        query_frames, table = frames
-        mask = query_frames[:, None] == key_frames(table, kv.shape[1])[None, :]
+        query_frames, key_frames = frames
+        mask = query_frames[:, None] == key_frames(kv.shape[1])[None, :]
         return masked_attention(q, k_all, v_all, mask)
     queries, keys = zip(*frames, strict=True)
     parts = zip(q.split(queries, 1), k_all.split(keys, 1), v_all.split(keys, 1), strict=True)
     return torch.cat([sdpa_4d(*qkv) for qkv in parts], 1)
-
-
-def key_frames(table: Tensor, keys: int) -> Tensor:
-    """The frame (numbered as ``_patch_layout`` numbers them) of each of the ``keys`` rows
-    ``Bands.gather`` returns, from the unit table alone: unit by unit, every frame's rows of a
-    whole unit, the whole frame's rows of a band."""
-    frames, _, _, full_rows, width = table.unbind(1)
-    frame_rows = full_rows * width
-    key_rows = frames * frame_rows
-    arange = torch.arange(table.shape[0], device=table.device)
-    unit = torch.repeat_interleave(arange, key_rows, output_size=keys)
-    first_key = torch.cumsum(key_rows, 0) - key_rows
-    first_frame = torch.cumsum(frames, 0) - frames
-    local = torch.arange(keys, device=table.device) - first_key[unit]
-    return first_frame[unit] + local // frame_rows[unit].clamp_min(1)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:

@@ -270,7 +270,14 @@ class QwenStyleViT(nn.Module):
             patches = frames * rows * width
             row = row + torch.repeat_interleave(first_rows, patches, output_size=num_patches)
             if vitbal_bands.units is None:  # the tensor form (compiled)
-                full = (vitbal_bands, (frame_id, table))
+                # The rows gathered for a unit are laid out as a grid row of its own: its
+                # frames, each its frame's full rows.
+                key_grid = table[:, [0, 3, 4]]
+
+                def key_frames(keys: int) -> Tensor:
+                    return _patch_layout(key_grid, keys, m)[0]
+
+                full = (vitbal_bands, (frame_id, key_frames))
             else:
                 units = vitbal_bands.units
                 lengths = [
