@@ -262,21 +262,28 @@ class _BandsIgnored(QwenStyleViT):
     what = ""
 
     def forward(self, pixel_values, image_grid_thw, vitbal_bands=None):
-        if vitbal_bands is not None and self.what == "first_row":
+        tensor_form = vitbal_bands is not None and vitbal_bands.units is None
+        if vitbal_bands is not None and not tensor_form and self.what == "first_row":
             vitbal_bands.units = [dataclasses.replace(u, first_row=0) for u in vitbal_bands.units]
+        if tensor_form and self.what == "tensor_first_row":  # only as compiled calls run it
+            vitbal_bands.table = vitbal_bands.table.clone()
+            vitbal_bands.table[:, 2] = 0
         if self.what == "gather":
             vitbal_bands = None
         return super().forward(pixel_values, image_grid_thw, vitbal_bands)
 
 
-@pytest.mark.parametrize("what", ["first_row", "gather"])
+@pytest.mark.parametrize("what", ["first_row", "gather", "tensor_first_row"])
 def test_a_vit_that_declares_bands_but_breaks_them_is_named(what):
     """Bands run in one process: a frame as three bands (each over the frame's keys and values)
-    must give the frame's outputs; the reference ViT does (windows too), a ViT that places bands
-    at row 0 or attends within its band only does not."""
+    must give the frame's outputs, as Python and in the tensor form compiled calls run; the
+    reference ViT does (windows too), a ViT that places bands at row 0 (in either form) or
+    attends within its band only does not."""
     for config in (ViTConfig(), ViTConfig(window_size=2, fullatt_block_indexes=(1,))):
         assert fx_vitbal.check_vision_encoder(QwenStyleViT(config)).ok
     vit = _BandsIgnored(ViTConfig(deepstack_indexes=(0,)))
     vit.what = what
     report = fx_vitbal.check_vision_encoder(vit)
     assert [p for p in report.problems if p.startswith("band promise broken")], report
+    tensor_form = [p for p in report.problems if "tensor form" in p]
+    assert bool(tensor_form) == (what != "first_row"), report  # gather: both forms broken

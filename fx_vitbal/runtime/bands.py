@@ -98,6 +98,11 @@ class Bands:
         table = torch.tensor(values, dtype=torch.int64, device="cpu").view(-1, 5)
         return transfer.to_device(table, device)
 
+    def tensor_form(self, device: torch.device) -> "Bands":
+        """These bands as a compiled tower gets them: ``units`` None, ``unit_table`` on
+        ``device`` (``check_vision_encoder`` runs a tower so)."""
+        return type(self)(None, self.layout, self.group_name, self.unit_table(device))
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (one row per local patch, in batch order) as the rows each unit attends over:
         a collective of the balancing group, with autograd (see the class doc)."""

@@ -121,6 +121,7 @@ def check_vision_encoder(
         spec = vision_encoder_spec(vit)  # unregistered: frames not independent
         m, declared = spec.merge_size(vit), spec.frame_independent
         align = None if spec.bands is None else spec.bands.of(inner)[0]
+    compiled = rule is None and spec.bands is not None and spec.bands.compiled
     if in_dim is None:
         in_dim = getattr(getattr(vit, "config", None), "in_dim", None)
     if in_dim is None:
@@ -136,7 +137,8 @@ def check_vision_encoder(
         checker = _Checker(model=model, m=m, atol=atol, rtol=rtol)
         layouts = _check(checker, pixels, grids, frame_independent)
         if align is not None:
-            _check_bands(checker, (1, 3 * align, 2 * m), in_dim, seed, pixels.dtype)
+            frame = (1, 3 * align, 2 * m)
+            _check_bands(checker, frame, in_dim, seed, pixels.dtype, compiled)
     report = VisionEncoderReport(
         encoder=type(vit).__qualname__,
         grids=tuple(grids),
@@ -291,25 +293,37 @@ def _check(
 
 
 def _check_bands(
-    checker: _Checker, frame: tuple[int, int, int], in_dim: int, seed: int, dtype: torch.dtype
+    checker: _Checker,
+    frame: tuple[int, int, int],
+    in_dim: int,
+    seed: int,
+    dtype: torch.dtype,
+    compiled: bool,
 ) -> None:
     """The band promise: ``frame`` computed as three bands of its aligned rows, in one batch
-    whose exchange of keys and values stays local, gives the frame's outputs run alone."""
+    whose exchange of keys and values stays local, gives the frame's outputs run alone; for a
+    tower that runs bands compiled (``compiled``), in their tensor form too."""
     t, h, w = frame
     rows, param = h // 3, next(checker.model.parameters(), None)
     generator = torch.Generator().manual_seed(seed + 1)
     pixels = torch.randn(t * h * w, in_dim, generator=generator, dtype=torch.float64)
     pixels = pixels.to(param.device if param is not None else "cpu", dtype)
     bands = frame_in_bands(frame, 3)
+    forms = [("", bands)]
+    if compiled:
+        forms.append((" in their tensor form (as compiled)", bands.tensor_form(pixels.device)))
     whole = checker.outputs(pixels, [frame], f"frame {list(frame)} alone")
-    banded = checker.outputs(pixels, [(1, rows, w)] * 3, f"frame {list(frame)} in bands", bands)
-    pairs = zip(banded[0], whole[0], strict=True) if whole and banded else ()
-    for k, (have, want) in enumerate(pairs):
-        if have.shape != want.shape or not torch.allclose(have, want, checker.rtol, checker.atol):
+    for form, given in forms:
+        where = f"frame {list(frame)} in bands{form}"
+        banded = checker.outputs(pixels, [(1, rows, w)] * 3, where, given)
+        pairs = zip(banded[0], whole[0], strict=True) if whole and banded else ()
+        for k, (have, want) in enumerate(pairs):
+            if have.shape == want.shape and torch.allclose(have, want, checker.rtol, checker.atol):
+                continue
             checker.problems.append(
                 f"band promise broken: {_output_name(k)} of frame {list(frame)} as 3 bands of "
-                f"{rows} rows differs from the frame alone (each band placed at its first_row? "
-                "attending over Bands.gather's keys and values in whole-frame layers?)"
+                f"{rows} rows{form} differs from the frame alone (each band placed at its "
+                "first_row? attending over Bands.gather's keys and values in whole-frame layers?)"
             )
 
 
