@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fx_vitbal
-from fx_vitbal.runtime import collectives, ops, planning, transfer
+from fx_vitbal.runtime import band_exchange, bands, collectives, ops, planning, transfer
 
 DEVICE = torch.device("cpu", 1)
 _LIBRARY = os.path.dirname(fx_vitbal.__file__)
@@ -85,6 +85,9 @@ _BODIES = {
     torch.ops.vitbal.plan.default: planning.plan._init_fn,
     torch.ops.vitbal.redistribute.default: ops.redistribute._init_fn,
     torch.ops.vitbal.restore.default: ops.restore._init_fn,
+    torch.ops.vitbal.band_gather.default: band_exchange.band_gather._init_fn,
+    torch.ops.vitbal.band_scatter.default: band_exchange.band_scatter._init_fn,
+    torch.ops.vitbal.band_tables.default: bands.band_tables._init_fn,
 }
 _DEVICE_PROPERTY = torch._C.TensorBase.device
 
@@ -147,7 +150,7 @@ class _Simulation(TorchDispatchMode):
             if _syncs(func, args, kwargs):
                 self.note("syncs", func.__name__)
             host = [t for t, dev in zip(tensors, on_device, strict=True) if not dev and t.dim()]
-            if host and func not in _BODIES:  # (the ``vitbal`` ops' routing is a host tensor)
+            if host and func not in _BODIES:  # (their routing and band layouts: host tensors)
                 self.note("mixed", f"{func.__name__} with a host tensor of {tuple(host[0].shape)}")
         body = _BODIES.get(func)
         if body is not None:  # its own body, followed op by op: its outputs are marked already

@@ -39,7 +39,11 @@ def _grids(rank: int, step: int, replicas=None) -> list[list[int]]:
 
 
 # Paths past the five above, run in the world of own sets: each its own way in, 3 steps.
-EXTRA_PATHS = ["none", "windowed", "online", "bf16", "gloo"]
+EXTRA_PATHS = ["none", "windowed", "online", "bf16", "gloo", "bands"]
+# The bands path: rank 0's 16x12 frame split across the ranks (rank 2 text-only) on every step;
+# its keys and values are exchanged in each of the tower's 2 layers, forward and backward.
+BANDS = fx_vitbal.BalanceConfig(cost_model="quadratic", min_band_patches=32)
+BAND_LAYERS = 2
 HF_PATHS = {"qwen2_5_vl": "Qwen2.5-VL (windowed)", "qwen3_vl": "Qwen3-VL", "glm4v": "GLM-4V"}
 HF_RUN = [f"hf_{family}" for family in HF_PATHS]
 # Per rank, (images, videos) of the Hugging Face paths; GLM samples hold one kind only.
@@ -58,6 +62,8 @@ def _model(path: str, replicas=None):
     if path == "compiled":  # one graph for every step (its layouts agreed while compiling)
         model = fx_vitbal.enable_vit_balance(model, replica_group=replicas)
         return torch.compile(model, backend="vitbal", options=ONE_GRAPH, fullgraph=True)
+    if path == "bands":
+        return fx_vitbal.enable_vit_balance(model, config=BANDS)
     if path not in ("eager", "none"):
         config = fx_vitbal.BalanceConfig(cost_model="online" if path == "online" else "auto")
         return fx_vitbal.enable_vit_balance(model, config=config, replica_group=replicas)
@@ -203,12 +209,13 @@ def _check_step(path: str, rank: int, step: int, record: dict, first: bool) -> N
     assert len(record["waits"]) == 1 and "status.py" in record["waits"][0], context
     assert record["mixed"] == [], context
     forward = [name for phase, name in record["collectives"] if phase == "forward"]
-    expected = ["all_gather"] * gathers + ["all_to_all"]
+    bands = BAND_LAYERS if path == "bands" else 0  # one key/value exchange a layer
+    expected = ["all_gather"] * gathers + ["all_to_all"] * (1 + bands)
     expected += (["all_gather"] if first else []) + ["all_to_all"]
     assert forward == expected, context
     backward = Counter(phase for phase, _ in record["collectives"])["backward"]
     pixel_grads = step == PIXEL_GRADS_STEP and not path.startswith("hf_")
-    assert backward == 1 + pixel_grads, context
+    assert backward == 1 + pixel_grads + bands, context
 
 
 @pytest.mark.parametrize(
@@ -227,8 +234,10 @@ def test_every_other_way_in_costs_the_library_the_same(path, own_sets):
     pixels are made where the exchanges run, not beside the parameters), a windowed ViT (its
     window index regenerated from the plan's host copy of the grid), online costs with a stats
     callback, bf16 pixels, a group that gathers on the host (``cpu:gloo,cuda:nccl``) with the
-    batch on the device, and Hugging Face VLMs (images and a video; the parent's feature code
-    replayed): one read, one wait, the same collectives, no host tensor in a device op."""
+    batch on the device, a frame split into bands on every step (rank 2 text-only: one more
+    exchange a layer each way, on every rank), and Hugging Face VLMs (images and a video; the
+    parent's feature code replayed): one read, one wait, the same collectives, no host tensor
+    in a device op."""
     for rank, by_path in enumerate(own_sets):
         for step, record in enumerate(by_path[path]):
             _check_step(path, rank, step, record, first=step == 0)
@@ -251,6 +260,7 @@ MODEL_SYNCS = {
     "online": [2, 2, 2],
     "bf16": [2, 2, 2],
     "gloo": [2, 2, 2],
+    "bands": [2, 2, 2],
     "hf_qwen2_5_vl": [25, 14, 6],
     "hf_qwen3_vl": [54, 24, 16],
     "hf_glm4v": [20, 18, 6],
