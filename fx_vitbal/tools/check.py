@@ -18,16 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from fx_vitbal.integrations import hf_bands
-from fx_vitbal.integrations.hf import is_hf_model
-from fx_vitbal.integrations.hf_outputs import restored_rows
-from fx_vitbal.integrations.hf_towers import HFTowerRule, hf_tower_rule
-from fx_vitbal.runtime.bands import Bands, frame_in_bands
-from fx_vitbal.runtime.vits import (
-    plain_forward,
-    regenerate_window_index,
-    unwrap_module,
-    vision_encoder_spec,
-)
+from fx_vitbal.runtime.bands import frame_in_bands
+from fx_vitbal.runtime.vits import regenerate_window_index, unwrap_module, vision_encoder_spec
+from fx_vitbal.tools.plain_call import hf_rule, plain_call
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,7 +103,7 @@ def check_vision_encoder(
         ValueError: a grid row is not positive or h, w are not multiples of the merge size; or,
             with ``raise_on_failure``, a promise is broken (the message is the report).
     """
-    rule = _hf_rule(vit)
+    rule = hf_rule(vit)
     inner = unwrap_module(vit)
     if rule is not None:
         m, declared = rule.merge_size(inner), rule.frames_independent
@@ -169,7 +162,7 @@ class _Checker:
         ``Bands``, when given), or None (problem noted) when the ``window_index`` is not a
         permutation of the merge blocks."""
         grid_thw = torch.tensor(grids, dtype=torch.long, device=pixels.device)
-        embeds, window_index, deepstack = _call(self.model, pixels, grid_thw, bands)
+        embeds, window_index, deepstack = plain_call(self.model, pixels, grid_thw, bands)
         outputs = [embeds, *deepstack]
         if window_index is None:
             return outputs, None
@@ -327,38 +320,6 @@ def _check_bands(
             )
 
 
-def _hf_rule(vit: nn.Module) -> HFTowerRule | None:
-    """The rule of a Hugging Face tower (None for other ViTs).
-
-    Raises:
-        TypeError: a Hugging Face tower without a rule (the message names the registry).
-    """
-    inner = unwrap_module(vit)
-    return hf_tower_rule(type(inner)) if is_hf_model(inner) else None
-
-
-def _call(model: nn.Module, pixels: Tensor, grid_thw: Tensor, bands: Bands | None = None):
-    # A ViT wrapped by enable_vit_balance would start collectives: call the plain forward.
-    rule = _hf_rule(model)
-    if rule is not None:  # the fields the rule restores, as the contract's triple
-        kwargs = {}
-        if bands is not None:  # the rule's recipe, as a balanced call runs it
-            hf_bands.install(unwrap_module(model), rule.bands)
-            kwargs = hf_bands.band_kwargs(unwrap_module(model), rule.bands, bands, pixels.device)
-            grid_thw = kwargs.pop("grid_thw", grid_thw)
-        out = plain_forward(model)(pixels, grid_thw=grid_thw, return_dict=True, **kwargs)
-        values = restored_rows(rule, out)
-        return values[0], None, values[1:]
-    kwargs = {} if bands is None else {"vitbal_bands": bands}
-    result = plain_forward(model)(pixels, grid_thw, **kwargs)
-    if not (isinstance(result, tuple | list) and len(result) == 3):
-        raise TypeError(
-            f"{type(model).__qualname__}(pixel_values, image_grid_thw) must return "
-            f"(pixel_embeds, window_index, deepstack), got {type(result).__qualname__}"
-        )
-    return result
-
-
 def _copy_for_check(
     vit: nn.Module, grids: list[tuple[int, int, int]], in_dim: int, seed: int
 ) -> tuple[nn.Module, Tensor]:
@@ -370,7 +331,7 @@ def _copy_for_check(
     pixels = torch.randn(num_rows, in_dim, generator=generator, dtype=torch.float64).to(device)
     model = copy.deepcopy(vit).double()
     try:
-        _call(model, pixels, torch.tensor(grids, dtype=torch.long, device=device))
+        plain_call(model, pixels, torch.tensor(grids, dtype=torch.long, device=device))
         return model, pixels
     except Exception:
         # Some kernels (flash attention, fused norms) have no float64 path. A ViT that fails for
