@@ -2,17 +2,52 @@
 
 The dataclass is the one source of truth; argparse lives only at the edge (``add_vit_balance_args``
 and ``BalanceConfig.from_args``) so library code never reads global arguments.
+
+[Note: flags] ``_FLAGS`` is the one table of the flags (spelling, field, argparse options, help):
+``add_vit_balance_args`` adds its rows, each help ending with the default, and ``from_args`` reads
+them back; ``docs/flags.md`` documents them (a test keeps it in step). ``__post_init__`` alone
+judges values and raises ``ValueError`` naming the field; the flags layer maps it to the flag:
+
+- a value judged alone (a negative ``--dp-balance-trigger-threshold-vit``) fails while parsing:
+  the flag's ``type=`` builds a ``BalanceConfig`` with it, so argparse reports it (exit status 2);
+- a rule across flags (``--dp-balance-cost-model-vit polynomial`` without coefficients) or a value
+  the parser never judged (``set_defaults``) fails in ``from_args``, which holds the namespace,
+  not the parser: it prints ``PROG: error: argument --flag: ...`` and raises ``SystemExit(2)``
+  like ``parser.error``, without the usage line. ``BalanceConfig(...)`` itself raises ValueError.
 """
 
 import argparse
 import dataclasses
 import math
 import os
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 COST_MODELS = ("auto", "quadratic", "polynomial", "architecture", "online")
 STRATEGIES = ("min-move", "lpt")
 SKIP_RULES = ("no-gain", "seed")
 WHEN = ("training", "always")
+
+
+class _FieldError(ValueError):
+    """``BalanceConfig``'s ``ValueError``, knowing the fields it names: see [Note: flags]."""
+
+    def __init__(self, field: str, problem: str, related: tuple[str, ...] = ()) -> None:
+        super().__init__(field, problem, related)  # these args, so it pickles across processes
+        self.field, self.problem, self.related = field, problem, related
+
+    def __str__(self) -> str:
+        return f"BalanceConfig.{self.field} {self.problem}"
+
+
+def _check(
+    ok: bool, field: str, value: object, expected: str, related: tuple[str, ...] = ()
+) -> None:
+    if not ok:
+        raise _FieldError(field, f"must be {expected}, got {value!r}", related)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,7 +176,8 @@ class BalanceConfig:
                 and any(c > 0 for c in coeffs),
                 "cost_coeffs",
                 coeffs,
-                "three finite non-negative numbers, not all zero (for cost_model='polynomial')",
+                "three finite non-negative numbers, not all zero, with cost_model 'polynomial'",
+                related=("cost_model",),
             )
         if coeffs is not None:
             _check(
@@ -149,166 +185,218 @@ class BalanceConfig:
                 "cost_model",
                 self.cost_model,
                 "'polynomial' when cost_coeffs is given",
+                related=("cost_coeffs",),
             )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BalanceConfig":
-        """Build a config from the flags added by ``add_vit_balance_args``.
+        """Build a config from the flags added by ``add_vit_balance_args`` (see [Note: flags]).
 
         ``ranks_per_node`` comes from ``--dp-balance-ranks-per-node-vit``, else from the
         ``LOCAL_WORLD_SIZE`` torchrun sets (this is the edge where the environment is read; the
         library itself never reads it).
 
+        Args:
+            args: the namespace ``parser.parse_args()`` returned.
+
+        Returns:
+            The config the flags describe; a ``UserWarning`` for ``--dp-balance-verbose`` without
+            ``--use-vit-dp-balance`` (it prints nothing then).
+
         Raises:
-            ValueError: an invalid flag value or combination, or a non-integer
-                ``LOCAL_WORLD_SIZE``.
+            SystemExit: status 2, after a message naming the flag, for a value or combination of
+                flags that ``BalanceConfig`` rejects.
+            ValueError: ``LOCAL_WORLD_SIZE`` is not a positive integer.
         """
-        coeffs = args.dp_balance_cost_coeffs_vit
-        ranks_per_node = args.dp_balance_ranks_per_node_vit
-        if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE"):
-            local = os.environ["LOCAL_WORLD_SIZE"]
-            if not local.isdigit():
+        values = {row.field: getattr(args, row.flag[2:].replace("-", "_")) for row in _FLAGS}
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if values["ranks_per_node"] is None and local:
+            if not local.isdigit() or int(local) < 1:
                 raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {local!r}")
-            ranks_per_node = int(local)
-        return cls(
-            enabled=args.use_vit_dp_balance,
-            when=args.dp_balance_when_vit,
-            trigger_threshold=args.dp_balance_trigger_threshold_vit,
-            max_len_ratio=args.dp_balance_max_len_ratio_vit,
-            tolerance=args.dp_balance_tolerance_vit,
-            max_iters=args.dp_balance_max_iters_vit,
-            verbose=args.dp_balance_verbose,
-            cost_model=args.dp_balance_cost_model_vit,
-            cost_coeffs=tuple(coeffs) if coeffs is not None else None,
-            strategy=args.dp_balance_strategy_vit,
-            skip_rule=args.dp_balance_skip_rule_vit,
-            min_gain=args.dp_balance_min_gain_vit,
-            split_frames=args.dp_balance_split_frames_vit,
-            split_images=args.dp_balance_split_images_vit,
-            min_band_patches=args.dp_balance_min_band_patches_vit,
-            ranks_per_node=ranks_per_node,
-        )
+            values["ranks_per_node"] = int(local)
+        if values["verbose"] and not values["enabled"]:
+            message = "--dp-balance-verbose does nothing without --use-vit-dp-balance"
+            warnings.warn(message, UserWarning, stacklevel=2)
+        try:
+            return cls(**values)
+        except _FieldError as err:  # parser.error without the parser: see [Note: flags]
+            prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+            flag, problem = _FLAG_OF[err.field], _flag_problem(err)
+            sys.stderr.write(f"{prog}: error: argument {flag}: {problem}\n")
+            raise SystemExit(2) from err
+
+
+_DEFAULT = BalanceConfig()
+
+
+class _Flag(NamedTuple):
+    """One row of the flag table: see [Note: flags]."""
+
+    flag: str
+    field: str
+    help: str
+    """Ends with ``(default: ...)``, as ``docs/flags.md`` words the default."""
+    options: dict[str, object]
+    """``add_argument`` keywords besides ``help``, ``default`` included."""
+
+
+def _flag(flag: str, field: str, help: str, shown: str | None = None, **options) -> _Flag:
+    """A row; ``default`` is the field's unless given, ``shown`` words it where its value won't."""
+    default = options.setdefault("default", getattr(_DEFAULT, field))
+    if shown is None:
+        shown = ("on" if default else "off") if isinstance(default, bool) else str(default)
+    return _Flag(flag, field, f"{help} (default: {shown})", options)
+
+
+_FLAGS = (
+    _flag(
+        "--use-vit-dp-balance",
+        "enabled",
+        "balance ViT work across data-parallel ranks",
+        action="store_true",
+        default=False,
+    ),
+    _flag(
+        "--dp-balance-when-vit",
+        "when",
+        "balance while the ViT trains (no collective in eval mode) or always, e.g. for a frozen "
+        "ViT kept in eval()",
+        choices=WHEN,
+    ),
+    _flag(
+        "--dp-balance-max-len-ratio-vit",
+        "max_len_ratio",
+        "cap pixel rows per rank at mean*ratio, inf for no cap",
+        "no rank above the fullest rank's rows before balancing",
+        type=float,
+    ),
+    _flag(
+        "--dp-balance-trigger-threshold-vit",
+        "trigger_threshold",
+        "skip when max/mean-1 of the ViT loads is below this",
+        type=float,
+    ),
+    _flag(
+        "--dp-balance-verbose",
+        "verbose",
+        "print one line per step on rank 0: decision, imbalance, loads relative to the mean, rows "
+        "moved; does nothing without --use-vit-dp-balance",
+        action="store_true",
+    ),
+    _flag(
+        "--dp-balance-tolerance-vit",
+        "tolerance",
+        "stop refining once imbalance is below this",
+        type=float,
+    ),
+    _flag("--dp-balance-max-iters-vit", "max_iters", "maximum refinement moves/swaps", type=int),
+    _flag(
+        "--dp-balance-cost-model-vit",
+        "cost_model",
+        "per-image cost model (polynomial: with --dp-balance-cost-coeffs-vit; online: fitted from "
+        "measured per-rank ViT times)",
+        choices=COST_MODELS,
+    ),
+    _flag(
+        "--dp-balance-cost-coeffs-vit",
+        "cost_coeffs",
+        "a*l^2+b*l+c coefficients for --dp-balance-cost-model-vit polynomial",
+        "none",
+        type=float,
+        nargs=3,
+        metavar=("A", "B", "C"),
+    ),
+    _flag("--dp-balance-strategy-vit", "strategy", "min-move or plain lpt", choices=STRATEGIES),
+    _flag(
+        "--dp-balance-skip-rule-vit",
+        "skip_rule",
+        "no-gain or seed: LoongForge's rule, also skip when one image costs more than the mean "
+        "load",
+        choices=SKIP_RULES,
+    ),
+    _flag(
+        "--dp-balance-min-gain-vit",
+        "min_gain",
+        "skip plans that lower the predicted makespan by less than this fraction",
+        type=float,
+    ),
+    _flag(
+        "--dp-balance-split-frames-vit",
+        "split_frames",
+        "move single video frames when the ViT attends per frame",
+        action=argparse.BooleanOptionalAction,
+    ),
+    _flag(
+        "--dp-balance-split-images-vit",
+        "split_images",
+        "split a frame that binds the step alone into row bands on several ranks, when the tower "
+        "can run them and it pays with their per-layer exchange",
+        action=argparse.BooleanOptionalAction,
+    ),
+    _flag(
+        "--dp-balance-min-band-patches-vit",
+        "min_band_patches",
+        "no band has fewer patches",
+        type=int,
+        metavar="N",
+    ),
+    _flag(
+        "--dp-balance-ranks-per-node-vit",
+        "ranks_per_node",
+        "data-parallel ranks per node (contiguous) for node-aware planning: keep moves inside "
+        "nodes; 1 = node-blind",
+        "LOCAL_WORLD_SIZE when set, else node-blind",
+        type=int,
+        metavar="N",
+    ),
+)
+_FLAG_OF = {row.field: row.flag for row in _FLAGS}
 
 
 def add_vit_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--use-vit-dp-balance`` family of flags (LoongForge's, and ours in the same naming)
-    to a parser.
+    to a parser, each help ending with its default; see [Note: flags].
 
-    Returns the parser so it can be chained.
+    Args:
+        parser: the program's own parser; its formatter and other arguments are left alone.
+
+    Returns:
+        The parser, so it can be chained.
     """
-    d = BalanceConfig()
-    g = parser.add_argument_group(
+    group = parser.add_argument_group(
         "ViT data-parallel balance",
-        "move whole images between data-parallel ranks before the vision encoder so every rank "
-        "does similar work (fx_vitbal; the flags of LoongForge's --use-vit-dp-balance)",
+        "move images, video frames, or row bands of one large frame between data-parallel ranks "
+        "before the vision encoder so every rank does similar work (fx_vitbal; the flags of "
+        "LoongForge's --use-vit-dp-balance)",
     )
-    g.add_argument(
-        "--use-vit-dp-balance",
-        action="store_true",
-        help="balance ViT work across data-parallel ranks",
-    )
-    g.add_argument(
-        "--dp-balance-when-vit",
-        choices=WHEN,
-        default=d.when,
-        help="balance while the ViT trains (default; no collective in eval mode) or always, "
-        "e.g. for a frozen ViT kept in eval()",
-    )
-    g.add_argument(
-        "--dp-balance-max-len-ratio-vit",
-        type=float,
-        default=d.max_len_ratio,
-        help="cap pixel rows per rank at mean*ratio, inf for no cap (default: no rank above the "
-        "fullest rank's rows before balancing)",
-    )
-    g.add_argument(
-        "--dp-balance-trigger-threshold-vit",
-        type=float,
-        default=d.trigger_threshold,
-        help="skip when max/mean-1 of the ViT loads is below this",
-    )
-    g.add_argument(
-        "--dp-balance-verbose",
-        action="store_true",
-        help="print one line per step on rank 0: decision, imbalance, loads relative to the mean, "
-        "rows moved",
-    )
-    g.add_argument(
-        "--dp-balance-tolerance-vit",
-        type=float,
-        default=d.tolerance,
-        help="stop refining once imbalance is below this",
-    )
-    g.add_argument(
-        "--dp-balance-max-iters-vit",
-        type=int,
-        default=d.max_iters,
-        help="maximum refinement moves/swaps",
-    )
-    g.add_argument(
-        "--dp-balance-cost-model-vit",
-        choices=COST_MODELS,
-        default=d.cost_model,
-        help="per-image cost model (online: fitted from measured per-rank ViT times)",
-    )
-    g.add_argument(
-        "--dp-balance-cost-coeffs-vit",
-        type=float,
-        nargs=3,
-        metavar=("A", "B", "C"),
-        default=None,
-        help="a*l^2+b*l+c coefficients for --dp-balance-cost-model-vit polynomial",
-    )
-    g.add_argument(
-        "--dp-balance-strategy-vit",
-        choices=STRATEGIES,
-        default=d.strategy,
-        help="min-move (default) or plain lpt",
-    )
-    g.add_argument(
-        "--dp-balance-skip-rule-vit",
-        choices=SKIP_RULES,
-        default=d.skip_rule,
-        help="no-gain (default) or seed: LoongForge's rule, also skip when one image costs more "
-        "than the mean load",
-    )
-    g.add_argument(
-        "--dp-balance-min-gain-vit",
-        type=float,
-        default=d.min_gain,
-        help="skip plans that lower the predicted makespan by less than this fraction",
-    )
-    g.add_argument(
-        "--dp-balance-split-frames-vit",
-        action=argparse.BooleanOptionalAction,
-        default=d.split_frames,
-        help="move single video frames when the ViT attends per frame",
-    )
-    g.add_argument(
-        "--dp-balance-split-images-vit",
-        action=argparse.BooleanOptionalAction,
-        default=d.split_images,
-        help="split a frame that binds the step alone into row bands on several ranks, when "
-        "the tower can run them and it pays with their per-layer exchange",
-    )
-    g.add_argument(
-        "--dp-balance-min-band-patches-vit",
-        type=int,
-        default=d.min_band_patches,
-        metavar="N",
-        help="no band has fewer patches",
-    )
-    g.add_argument(
-        "--dp-balance-ranks-per-node-vit",
-        type=int,
-        default=None,
-        metavar="N",
-        help="data-parallel ranks per node (contiguous) for node-aware planning: keep moves "
-        "inside nodes; 1 = node-blind (default: LOCAL_WORLD_SIZE when set, else node-blind)",
-    )
+    for row in _FLAGS:
+        options = dict(row.options)
+        if "type" in options and "nargs" not in options:  # a multi-value flag: in from_args
+            options["type"] = _checked_type(row.field, options["type"])
+        action = group.add_argument(row.flag, **options)
+        # Not given to add_argument: Python 3.10's BooleanOptionalAction would add its own default.
+        action.help = row.help
     return parser
 
 
-def _check(ok: bool, field: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"BalanceConfig.{field} must be {expected}, got {value!r}")
+def _flag_problem(err: _FieldError) -> str:
+    """The problem in flags' words: the other fields its rule names become their flags."""
+    problem = err.problem
+    for field in err.related:
+        problem = re.sub(rf"\b{field}\b", _FLAG_OF[field], problem)
+    return problem
+
+
+def _checked_type(field: str, convert: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse ``type``: ``convert`` the text, then let ``BalanceConfig`` judge the value."""
+
+    def check(text: str) -> object:
+        value = convert(text)  # a ValueError here: argparse says "invalid float value: 'x'"
+        try:
+            BalanceConfig(**{field: value})
+        except _FieldError as err:
+            raise argparse.ArgumentTypeError(_flag_problem(err)) from None
+        return value
+
+    check.__name__ = convert.__name__
+    return check
