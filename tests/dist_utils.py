@@ -2,11 +2,13 @@
 
 import contextlib
 import datetime
+import json
 import multiprocessing
 import os
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -63,8 +65,11 @@ def fullgraph_capture(enabled: bool = True):
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """Call ``fn(rank, world_size, *args)`` on every rank; return each rank's return value.
 
-    A failure on any rank re-raises here with that rank's traceback; a hang past ``timeout``
-    kills the ranks and fails.
+    A failure on any rank raises ``RankFailed`` here with the traceback of the rank that failed
+    first (by the time each rank's ``fn`` raised), then one line for each other rank: the rank
+    whose error started it, not a survivor's gloo error ("Connection closed by peer", a timeout)
+    that followed, whichever process exited first. A hang past ``timeout`` kills the ranks and
+    fails (with any failure a rank recorded before).
     """
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
@@ -76,12 +81,72 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
         )
         deadline = time.monotonic() + timeout
         paths = [os.path.join(tmp, f"result{r}.pt") for r in range(world_size)]
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                raise TimeoutError(f"{world_size} ranks did not finish within {timeout} s")
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    for process in context.processes:
+                        process.join()
+                    failures = _read_failures(tmp, context.processes)
+                    raise TimeoutError(
+                        f"{world_size} ranks did not finish within {timeout} s"
+                        + (f"; {failures}" if failures else "")
+                    )
+        # join killed the other ranks: every record is in.
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            failures = _read_failures(tmp, context.processes)
+            if not failures:
+                raise  # no rank recorded an error (killed by a signal): torch's own report
+            raise RankFailed(failures) from None  # torch's names the first rank to exit
         return [torch.load(path) for path in paths]
+
+
+class RankFailed(Exception):
+    """Some rank of ``run_ranks`` raised; the message is the first failing rank's traceback."""
+
+
+def _failure_path(tmp: str, rank: int) -> str:
+    return os.path.join(tmp, f"failure{rank}.json")
+
+
+def _record_failure(tmp: str, rank: int, error: BaseException) -> None:
+    """Write ``error``'s traceback and the time it reached ``_worker``, whole (written, synced,
+    then renamed), before this rank tears its connections down: a peer that fails because of
+    them fails later than this record says."""
+    record = {
+        "time": time.time(),
+        "summary": traceback.format_exception_only(error)[-1].strip(),
+        "traceback": traceback.format_exc(),
+    }
+    path = _failure_path(tmp, rank)
+    with open(path + ".part", "w") as file:
+        json.dump(record, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(path + ".part", path)
+
+
+def _read_failures(tmp: str, processes) -> str:
+    """The first failing rank's traceback, then one line per other rank (its error, how much
+    later, or how it ended without one); empty when no rank recorded a failure."""
+    records = {}
+    for rank in range(len(processes)):
+        with contextlib.suppress(FileNotFoundError), open(_failure_path(tmp, rank)) as file:
+            records[rank] = json.load(file)
+    if not records:
+        return ""
+    first = min(records, key=lambda rank: records[rank]["time"])
+    lines = [f"rank {first} failed first (of {len(processes)} ranks):", records[first]["traceback"]]
+    for rank, process in enumerate(processes):
+        if rank == first:
+            continue
+        if rank in records:
+            later = records[rank]["time"] - records[first]["time"]
+            lines.append(f"then rank {rank} (+{later:.2f} s): {records[rank]['summary']}")
+        else:
+            lines.append(f"then rank {rank}: no error of its own (exit code {process.exitcode})")
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -191,6 +256,11 @@ def _worker(rank, fn, world_size, tmp, args, environ):
         torch.save(result, path + ".part")
         os.replace(path + ".part", path)  # whole or absent, even if this rank dies right after
         dist.barrier()  # every rank saved before any rank tears its connections down
+    except Exception as error:
+        # Recorded before ``finally`` closes this rank's connections; then re-raised, so torch
+        # writes its error file and the process exits non-zero (never reaching ``os._exit(0)``).
+        _record_failure(tmp, rank, error)
+        raise
     finally:
         dist.destroy_process_group()
     # No interpreter finalization: a group something still holds (FSDP2's DTensors do) keeps
