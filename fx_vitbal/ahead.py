@@ -38,6 +38,7 @@ from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.runtime import handover, transfer
+from fx_vitbal.runtime.call import call_inputs
 from fx_vitbal.runtime.collectives import group_ranks
 from fx_vitbal.runtime.handover import PlannedBatch, batch_key
 from fx_vitbal.runtime.planning import solve_for_rank
@@ -111,9 +112,10 @@ def plan_ahead(
         )
     elif pixel_values_videos is not None or video_grid_thw is not None:
         raise TypeError("videos are planned apart only for Hugging Face VLMs; pass them as pixels")
-    if pixel_values is None:  # the stand-ins the step uses for a rank without images
-        pixel_values = torch.empty(0, 0, device="cpu")
-        image_grid_thw = torch.empty(0, 3, dtype=torch.long, device="cpu")
+    # A rank without images passes None (host stand-ins); a bad batch raises on every rank.
+    pixel_values, image_grid_thw, problem = call_inputs(
+        module, pixel_values, image_grid_thw, None, rows_2d=entry is None
+    )
     planner, merge = settings
     replicas = replica_ranks(group, replica_group)
     grid, routing, solved = solve_for_rank(
@@ -123,6 +125,7 @@ def plan_ahead(
         planner,
         group,
         module_key=layout_token(module),
+        problem=problem,
         replicas=replicas,
         device_type=_step_device_type(module, pixel_values),
         # Reading pixels on a device here would wait for the step's queued work: replicas'

@@ -21,7 +21,8 @@ from torch import nn
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.runtime import handover
-from fx_vitbal.runtime.call import run_balanced, stand_in_pixels
+from fx_vitbal.runtime.call import call_inputs, input_problem, run_balanced
+from fx_vitbal.runtime.metadata import PROBLEMS, describe_problem
 from fx_vitbal.runtime.settings import (
     DEFAULT_CONFIG,
     active_group,
@@ -142,16 +143,14 @@ def _balanced_call(
     config = config or DEFAULT_CONFIG
     dist_info = active_group(vit, config, group, replicas)
     if dist_info is None:
-        if pixel_values is None:  # no images here and nothing to take part in
-            return None, None, []
-        return call(pixel_values, image_grid_thw)
+        return _plain_call(call, pixel_values, image_grid_thw)
     planner, merge = planner or planner_for(vit, config)
     # Unbalanced, a parent that passes a tensor runs the ViT on it even with zero rows, so the
-    # ViT's parameters get (zero) gradients; DDP fails the next step if they get none.
-    problem = 0
-    if pixel_values is None:  # no images here: take part with rows in the others' layout
-        pixel_values, problem = stand_in_pixels(vit, dist_info[0])
-        image_grid_thw = torch.empty(0, 3, dtype=torch.long, device=pixel_values.device)
+    # ViT's parameters get (zero) gradients; DDP fails the next step if they get none. A rank
+    # that passed None takes part with stand-in pixels (``call_inputs``).
+    pixel_values, image_grid_thw, problem = call_inputs(
+        vit, pixel_values, image_grid_thw, dist_info[0]
+    )
 
     def run(pixels, grid, bands):
         kwargs = {"vitbal_bands": bands} if bands is not None and bands.split else {}
@@ -168,6 +167,18 @@ def _balanced_call(
     if window_index is not None:
         window_index = regenerate_window_index(vit, image_grid_thw, routing)
     return outputs[0], window_index, list(outputs[1:])
+
+
+def _plain_call(call, pixel_values, image_grid_thw):
+    """The call without balancing (no process group, balancing off, eval mode): the ViT's own,
+    except that None on one side only raises (it would drop images), and no images at all
+    return ``(None, None, [])``."""
+    problem = input_problem(pixel_values, image_grid_thw, rows_2d=False)
+    if problem and (problem & 0xFF) in (PROBLEMS["pixels_none"], PROBLEMS["grid_none"]):
+        raise ValueError(f"vit dp balance: {describe_problem(problem)}")
+    if pixel_values is None:  # no images here and nothing to take part in
+        return None, None, []
+    return call(pixel_values, image_grid_thw)
 
 
 def _in_place_call(vit, original, config, group, replicas, pixel_values, image_grid_thw):

@@ -51,29 +51,29 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     visual_1 = self.visual
+    call_inputs = fx_vitbal_runtime_call_call_inputs(visual_1, pixel_values, image_grid_thw, '0');  pixel_values = image_grid_thw = None
+    getitem_10 = call_inputs[0]
+    getitem_11 = call_inputs[1]
+    getitem_12 = call_inputs[2];  call_inputs = None
     in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
     layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
     plans_bands = fx_vitbal_runtime_bands_plans_bands(True)
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"bands": {"align": 2, "exchange_layers": 2, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, bands = plans_bands);  image_grid_thw = in_balancing_mode = layout_token = plans_bands = None
-    getitem_10 = plan_default[0]
-    getitem_11 = plan_default[1];  plan_default = None
-    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_11, 4, [4], None, '0')
-    getitem_12 = redistribute_default[0];  redistribute_default = None
-    bands_for_vit = fx_vitbal_runtime_bands_bands_for_vit(getitem_11, getitem_10, '0', True)
-    visual = self.visual(getitem_12, getitem_10, vitbal_bands = bands_for_vit);  getitem_10 = bands_for_vit = None
-    getitem_13 = visual[0]
-    getitem_14 = visual[2];  visual = None
-    getitem_15 = getitem_14[0];  getitem_14 = None
-    size = getitem_12.size(0);  getitem_12 = None
-    output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_13, getitem_15], size, 4);  size = None
-    size_1 = pixel_values.size(0);  pixel_values = None
+    plan_default = torch.ops.vitbal.plan.default(getitem_10, getitem_11, 2, '{"bands": {"align": 2, "exchange_layers": 2, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, problem = getitem_12, bands = plans_bands);  getitem_11 = in_balancing_mode = layout_token = getitem_12 = plans_bands = None
+    getitem_13 = plan_default[0]
+    getitem_14 = plan_default[1];  plan_default = None
+    redistribute_default = torch.ops.vitbal.redistribute.default([getitem_10], getitem_14, 4, [4], None, '0')
+    getitem_15 = redistribute_default[0];  redistribute_default = None
+    bands_for_vit = fx_vitbal_runtime_bands_bands_for_vit(getitem_14, getitem_13, '0', True)
+    visual = self.visual(getitem_15, getitem_13, vitbal_bands = bands_for_vit);  getitem_13 = bands_for_vit = None
+    getitem_16 = visual[0]
+    getitem_17 = visual[2];  visual = None
+    getitem_18 = getitem_17[0];  getitem_17 = None
+    size = getitem_15.size(0);  getitem_15 = None
+    output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_16, getitem_18], size, 4);  size = None
+    size_1 = getitem_10.size(0);  getitem_10 = None
     home_rows = fx_vitbal_runtime_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
-    no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_13, getitem_15])
-    restore_default = torch.ops.vitbal.restore.default([getitem_13, getitem_15], getitem_11, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_13 = getitem_15 = getitem_11 = output_block_rows = home_rows = no_backward_will_come = None
-    getitem_16 = restore_default[0]
-    getitem_17 = restore_default[1];  restore_default = None
-    projector_norm = self.projector.norm(getitem_16);  getitem_16 = None
-    unflatten = projector_norm.unflatten(0, (-1, 4));  projector_norm = None""",
+    no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_16, getitem_18])
+    restore_default = torch.ops.vitbal.restore.default([getitem_16, getitem_18], getitem_14, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_16 = getitem_18 = getitem_14 = output_block_rows = home_rows = no_backward_will_come = None""",
         )
 
     def test_window_graph_regenerates_window_index_from_the_original_grid(self):
@@ -98,29 +98,29 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
             """\
 def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_grid_thw : torch.Tensor) -> torch.Tensor:
     visual_1 = self.visual
+    call_inputs = fx_vitbal_runtime_call_call_inputs(visual_1, pixel_values, image_grid_thw, '0');  pixel_values = image_grid_thw = None
+    getitem_10 = call_inputs[0]
+    getitem_11 = call_inputs[1]
+    getitem_12 = call_inputs[2];  call_inputs = None
     in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
     layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
     plans_bands = fx_vitbal_runtime_bands_plans_bands(True)
-    plan_default = torch.ops.vitbal.plan.default(pixel_values, image_grid_thw, 2, '{"bands": {"align": 4, "exchange_layers": 1, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, bands = plans_bands);  in_balancing_mode = layout_token = plans_bands = None
-    getitem_10 = plan_default[0]
-    getitem_11 = plan_default[1];  plan_default = None
-    redistribute_default = torch.ops.vitbal.redistribute.default([pixel_values], getitem_11, 4, [4], None, '0')
-    getitem_12 = redistribute_default[0];  redistribute_default = None
-    bands_for_vit = fx_vitbal_runtime_bands_bands_for_vit(getitem_11, getitem_10, '0', True)
-    visual = self.visual(getitem_12, getitem_10, vitbal_bands = bands_for_vit);  getitem_10 = bands_for_vit = None
-    getitem_13 = visual[0];  visual = None
-    size = getitem_12.size(0);  getitem_12 = None
-    output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_13], size, 4);  size = None
-    size_1 = pixel_values.size(0);  pixel_values = None
+    plan_default = torch.ops.vitbal.plan.default(getitem_10, getitem_11, 2, '{"bands": {"align": 4, "exchange_layers": 1, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, problem = getitem_12, bands = plans_bands);  in_balancing_mode = layout_token = getitem_12 = plans_bands = None
+    getitem_13 = plan_default[0]
+    getitem_14 = plan_default[1];  plan_default = None
+    redistribute_default = torch.ops.vitbal.redistribute.default([getitem_10], getitem_14, 4, [4], None, '0')
+    getitem_15 = redistribute_default[0];  redistribute_default = None
+    bands_for_vit = fx_vitbal_runtime_bands_bands_for_vit(getitem_14, getitem_13, '0', True)
+    visual = self.visual(getitem_15, getitem_13, vitbal_bands = bands_for_vit);  getitem_13 = bands_for_vit = None
+    getitem_16 = visual[0];  visual = None
+    size = getitem_15.size(0);  getitem_15 = None
+    output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_16], size, 4);  size = None
+    size_1 = getitem_10.size(0);  getitem_10 = None
     home_rows = fx_vitbal_runtime_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
-    no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_13])
-    restore_default = torch.ops.vitbal.restore.default([getitem_13], getitem_11, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_13 = output_block_rows = home_rows = no_backward_will_come = None
-    getitem_14 = restore_default[0];  restore_default = None
-    visual_2 = self.visual
-    regenerate_window_index = fx_vitbal_runtime_vits_regenerate_window_index(visual_2, image_grid_thw, getitem_11);  visual_2 = image_grid_thw = getitem_11 = None
-    argsort = torch.argsort(regenerate_window_index);  regenerate_window_index = None
-    unflatten = getitem_14.unflatten(0, (-1, 4));  getitem_14 = None
-    getitem_2 = unflatten[argsort];  unflatten = argsort = None""",
+    no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_16])
+    restore_default = torch.ops.vitbal.restore.default([getitem_16], getitem_14, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_16 = output_block_rows = home_rows = no_backward_will_come = None
+    getitem_17 = restore_default[0];  restore_default = None
+    visual_2 = self.visual""",
         )
 
     def test_replica_sets_ride_in_the_plan_node_only(self):
@@ -129,7 +129,7 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
         plan = next(n for n in gm.graph.nodes if n.target is torch.ops.vitbal.plan.default)
         self.assertExpectedInline(
             f"{plan.args[4:]} {plan.kwargs}",
-            """(2, '0', in_balancing_mode, layout_token) {'replicas': [0, 1], 'bands': plans_bands}""",
+            """(2, '0', in_balancing_mode, layout_token) {'problem': getitem_10, 'replicas': [0, 1], 'bands': plans_bands}""",
         )
         self.assertIn("replicas = [0, 1]", gm.code)
 

@@ -70,7 +70,12 @@ from fx_vitbal.integrations.hf_towers import (
     refuse_parents,
 )
 from fx_vitbal.runtime import collectives
-from fx_vitbal.runtime.call import run_balanced
+from fx_vitbal.runtime.call import (
+    empty_pixels,
+    group_device_types,
+    input_problem,
+    run_balanced,
+)
 from fx_vitbal.runtime.metadata import PROBLEMS, describe_problem
 from fx_vitbal.runtime.settings import active_group, layout_token, planner_spec_for
 from fx_vitbal.runtime.vits import EntryPoint, is_vision_encoder_class, register_entry_point
@@ -229,11 +234,15 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         out = original(fed, return_dict=True, **kwargs, **extra)
         return restored_rows(rule, out), out
 
-    rows, grid_thw, unfit = as_rows(rule, tower, pixels, grid_thw)
-    problem = problem or unfit
-    if problem:  # only the plan runs: the tower never sees these pixels
-        width = rows.shape[1:] if rows is not None else (rule.pixel_width(tower.config),)
-        rows = pixels.new_empty(0, *width)
+    # A text-only rank calling the tower on its own passes None (its own call would fail):
+    # it takes part with empty rows, in the others' layout (``call.call_inputs``).
+    problem = problem or input_problem(pixels, grid_thw, False, group_device_types(dist_info[0]))
+    rows = None
+    if pixels is not None and not problem:
+        rows, grid_thw, problem = as_rows(rule, tower, pixels, grid_thw)
+    if rows is None or problem:  # only the plan runs: the tower never sees these pixels
+        width = 0 if not torch.compiler.is_compiling() else rule.pixel_width(tower.config)
+        rows = empty_pixels(dist_info[0], width, tower.dtype)
         grid_thw = torch.zeros(0, 3, dtype=torch.long, device=rows.device)
     bands = bands and not torch.compiler.is_compiling()
     outputs, out, _ = run_balanced(

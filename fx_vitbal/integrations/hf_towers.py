@@ -12,6 +12,7 @@ that of the tower's own transformers class only.
 """
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 
@@ -362,6 +363,15 @@ def hf_tower_rule(cls: type) -> HFTowerRule:
         raise TypeError(f"{own} cannot be balanced: {REFUSED_TOWERS[own]}")
     if own in SHIPPED_RULES:
         return SHIPPED_RULES[own]
+    forward = inspect.signature(cls.forward).parameters
+    if not any("grid" in name or "sizes" in name for name in forward):
+        raise TypeError(
+            f"{cls.__qualname__} takes no image grid (no grid_thw argument): it encodes "
+            "fixed-size images, so every rank's vision work already grows with its image count "
+            "alone and there is nothing to balance by grid (fx_vitbal balances towers whose "
+            "cost follows each image's [t, h, w]: the ones fx_vitbal.register_hf_tower "
+            "declares)"
+        )
     raise TypeError(
         f"{cls.__qualname__} is not a known Hugging Face vision tower: if it keeps the contract "
         "fx_vitbal.HFTowerRule describes, declare it with fx_vitbal.register_hf_tower(cls, "

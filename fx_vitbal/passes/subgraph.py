@@ -49,6 +49,7 @@ def insert_plan_and_redistribute(
     layout_token: fx.Node | int,
     replicas: tuple[int, ...] = (),
     bands: fx.Node | None = None,
+    problem: fx.Node | None = None,
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Add ``plan`` and ``redistribute`` at the insertion point; return the balanced pixels,
     the balanced grid and the routing (shared by both kinds of ViT call). ``active`` (balancing
@@ -56,9 +57,12 @@ def insert_plan_and_redistribute(
     ViT for its agreed output layouts (``settings.layout_token``); ``replicas``: the group ranks
     holding this rank's batch (``runtime.replicas``), passed only when there are some;
     ``bands``: a node saying whether the ViT call runs row bands (``runtime.bands``), passed
-    only for a ViT that can."""
+    only for a ViT that can; ``problem``: a node giving the batch's ``metadata.problem_code``
+    (``call.call_inputs``), raised by the plan on every rank."""
     args = (pixels, grid, merge, planner, world_size, group_name, active, layout_token)
-    kwargs = {"replicas": list(replicas)} if replicas else {}
+    kwargs = {"problem": problem} if problem is not None else {}
+    if replicas:
+        kwargs["replicas"] = list(replicas)
     if bands is not None:
         kwargs["bands"] = bands
     plan = graph.call_function(_PLAN, args, kwargs)

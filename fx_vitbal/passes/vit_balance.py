@@ -25,6 +25,7 @@ from fx_vitbal.passes.subgraph import (
     vit_subgraph_calls,
 )
 from fx_vitbal.runtime.bands import bands_for_vit, plans_bands
+from fx_vitbal.runtime.call import call_inputs
 from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
 from fx_vitbal.runtime.settings import (
     allows_bands,
@@ -95,10 +96,12 @@ def apply_vit_balance_pass(
 
     After (``area = merge**2``)::
 
+        pixel_values, image_grid_thw, problem = call_inputs(visual, pixel_values, image_grid_thw,
+                                                            group)  # None: a stand-in
         active = in_balancing_mode(visual, when)  # the ViT trains, or when == "always"
         token = layout_token(visual)  # names the ViT for its agreed output layouts
         grid_b, routing = vitbal.plan(pixel_values, image_grid_thw, merge, planner, world, group,
-                                      active, token)
+                                      active, token, problem)  # raised on every rank
         pixels_b = vitbal.redistribute([pixel_values], routing, area, [area], None, group)[0]
         vis = visual(pixels_b, grid_b)
         layouts = output_block_rows([vis[0], vis[2][0]], pixels_b.size(0), area)
@@ -121,7 +124,7 @@ def apply_vit_balance_pass(
             ``replica_group`` then lists ranks of that group.
 
     Returns:
-        ``gm``, rewritten in place (a logged no-op without a ViT call or a multi-rank group).
+        ``gm``, rewritten in place (a logged no-op without a ViT call or a process group).
 
     Raises:
         ValueError: the ViT's output is used other than by indexing (the pass cannot tell which
@@ -202,6 +205,11 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
     with graph.inserting_before(node):
         # Decided as the graph runs: in eval mode (unless when="always") nothing is collective.
         vit = graph.get_attr(node.target)
+        # None on a rank without images, or a bad batch the plan raises on every rank.
+        checked = graph.call_function(call_inputs, (vit, pixels, grid, group_name))
+        pixels, grid, problem = (
+            graph.call_function(operator.getitem, (checked, i)) for i in range(3)
+        )
         active = graph.call_function(in_balancing_mode, (vit, when))
         token = graph.call_function(layout_token, (vit,))
         asks = graph.call_function(plans_bands, (compiled,)) if runs_bands else None
@@ -217,6 +225,7 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
             token,
             replicas,
             asks,
+            problem,
         )
         if runs_bands:
             split = (routing, grid_b, group_name, compiled)

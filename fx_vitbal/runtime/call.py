@@ -11,7 +11,7 @@ from torch import nn
 from fx_vitbal.measure import clock as step_clock
 from fx_vitbal.runtime import collectives, ops, planning, transfer
 from fx_vitbal.runtime.bands import bands_for_vit
-from fx_vitbal.runtime.metadata import PROBLEMS
+from fx_vitbal.runtime.metadata import DEVICE_TYPES, PROBLEMS, device_code, problem_code
 from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.settings import layout_token
 from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
@@ -151,9 +151,7 @@ def _taking_part(pixel_values: torch.Tensor, route: Routing) -> torch.Tensor:
     empty tensor in the others' row layout (so it can receive rows), and when any rank's pixels
     require gradients, every rank's do, so all ranks run the backward exchange together (the
     gradient of a stand-in is simply dropped)."""
-    width = math.prod(pixel_values.shape[1:])
-    if not pixel_values.shape[0] and route.row_numel and width != route.row_numel:
-        pixel_values = pixel_values.new_empty(0, route.row_numel, dtype=route.dtype)
+    pixel_values = ops.in_agreed_layout(pixel_values, route)
     if route.pixels_need_grad and not pixel_values.requires_grad:
         pixel_values = pixel_values.detach().requires_grad_(True)
     return pixel_values
@@ -170,6 +168,85 @@ def _without_images(run, pixel_values, route, area, grad):
     return [o[:0] for o in outputs], extra
 
 
+def call_inputs(
+    vit: nn.Module,
+    pixel_values: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    group_name: str | None,
+    rows_2d: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(pixels, grid, problem)``: a balanced call's batch as the plan takes it, and a
+    ``metadata.problem_code`` (0: none) that the plan raises on every rank.
+
+    A rank without images may pass None for both (or None pixels with an empty grid): it takes
+    part with stand-in pixels (``stand_in_pixels``) and an empty grid. None on one side only
+    would lose images or crash this rank alone inside the first collective, so it is a problem,
+    as are pixels that are not 2-D ``[rows, features]`` (``rows_2d``: the ViT contract; a
+    Hugging Face tower's rows may have more dims) and tensors on a device the group cannot
+    exchange or the host cannot read (``input_problem``). Pixels on such a device are replaced
+    by a stand-in on the exchange device, a grid with a problem by an empty one.
+    ``group_name`` None: a plan made ahead (``fx_vitbal.plan_ahead``), whose pixels may be
+    anywhere (``meta`` too) and whose stand-ins live on the host.
+    """
+    exchanged = group_device_types(group_name) if group_name is not None else None
+    problem = input_problem(pixel_values, image_grid_thw, rows_2d, exchanged)
+    kind = problem & 0xFF
+    if pixel_values is None and group_name is None:
+        pixel_values = torch.empty(0, 0, device="cpu")
+    elif pixel_values is None:
+        pixel_values, missing = stand_in_pixels(vit, group_name)
+        problem = problem or missing
+    elif kind == PROBLEMS["pixels_device"]:
+        width = math.prod(pixel_values.shape[1:])
+        pixel_values = empty_pixels(group_name, width, pixel_values.dtype)
+    if image_grid_thw is None or kind in _GRID_REPLACED:
+        image_grid_thw = torch.empty(0, 3, dtype=torch.long, device=pixel_values.device)
+    return pixel_values, image_grid_thw, problem
+
+
+_GRID_REPLACED = tuple(PROBLEMS[n] for n in ("pixels_none", "grid_none", "grid_device"))
+
+
+def input_problem(
+    pixel_values: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    rows_2d: bool,
+    exchanged: tuple[str, ...] | None = None,
+) -> int:
+    """The problem of a call's pixels and grid that only this rank can see before the plan's
+    gather (``metadata.problem_code``; 0: none): one side None while the other holds rows,
+    pixels not 2-D where ``rows_2d``, pixels on a device type not in ``exchanged`` (the
+    group's; None: anywhere) or a grid on ``meta`` (it cannot be read). The gather checks
+    shapes, dtypes and values itself. No host read: only sizes and devices are looked at."""
+    if pixel_values is None:
+        rows = _leading_size(image_grid_thw)
+        return problem_code("pixels_none", rows) if rows else 0
+    if image_grid_thw is None:
+        rows = _leading_size(pixel_values)
+        return problem_code("grid_none", rows) if rows else 0
+    if rows_2d and pixel_values.dim() != 2:
+        return problem_code("pixels_not_rows")
+    if exchanged is not None and pixel_values.device.type not in exchanged:
+        return problem_code("pixels_device", device_code(pixel_values.device))
+    if image_grid_thw.device.type == "meta":
+        return problem_code("grid_device", device_code(image_grid_thw.device))
+    return 0
+
+
+def _leading_size(x: torch.Tensor | None) -> int:
+    return 0 if x is None or x.dim() == 0 else x.shape[0]
+
+
+@torch.compiler.assume_constant_result
+def group_device_types(group_name: str) -> tuple[str, ...]:
+    """Where the group's exchanges may run (``collectives.exchange_device_types``; a backend
+    that does not say: any device but ``meta``)."""
+    types = collectives.exchange_device_types(collectives.resolve_group(group_name))
+    if types is None:
+        return tuple(t for t in DEVICE_TYPES if t != "meta")
+    return tuple(sorted(types))
+
+
 def stand_in_pixels(vit: nn.Module, group_name: str) -> tuple[torch.Tensor, int]:
     """Empty pixels for a rank that passed None, and a ``metadata.PROBLEMS`` code (0: none).
 
@@ -181,15 +258,20 @@ def stand_in_pixels(vit: nn.Module, group_name: str) -> tuple[torch.Tensor, int]
     (``VisionEncoderSpec``), with the ViT's parameter dtype. Without one, every rank raises
     (the stand-in only carries the problem code to the plan).
     """
-    device = _exchange_device(group_name)
     if not torch.compiler.is_compiling():
-        return torch.empty(0, 0, device=device), 0
+        return empty_pixels(group_name), 0
     params = list(vit.parameters())
     pixel_width = vision_encoder_spec(vit).pixel_width
     dtype = params[0].dtype if params else torch.float32
     if pixel_width is None:
-        return torch.empty(0, 0, dtype=dtype, device=device), PROBLEMS["compiled_without_pixels"]
-    return torch.empty(0, pixel_width(unwrap_module(vit)), dtype=dtype, device=device), 0
+        return empty_pixels(group_name, 0, dtype), PROBLEMS["compiled_without_pixels"]
+    return empty_pixels(group_name, pixel_width(unwrap_module(vit)), dtype), 0
+
+
+def empty_pixels(group_name: str, width: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """``[0, width]`` pixels where the group's exchanges run (``stand_in_pixels``); a width of
+    0 takes the other ranks' (``_taking_part``)."""
+    return torch.empty(0, width, dtype=dtype, device=_exchange_device(group_name))
 
 
 @torch.compiler.assume_constant_result

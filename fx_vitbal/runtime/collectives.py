@@ -60,6 +60,19 @@ def meta_device(group: dist.ProcessGroup, like: torch.device) -> torch.device:
     return exchange_device(group)
 
 
+def exchange_device_types(group: dist.ProcessGroup) -> frozenset[str] | None:
+    """The device types whose tensors ``group`` can exchange (``all_to_all``), or None when its
+    backend does not say (a test backend): ``cpu:gloo,cuda:nccl`` both, gloo the CPU alone (it
+    has no device ``all_to_all``), others what ``dist.Backend.backend_capability`` lists."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        return frozenset(pair.split(":")[0] for pair in backend.split(","))
+    if backend == "gloo":
+        return frozenset({"cpu"})
+    listed = dist.Backend.backend_capability.get(backend)
+    return frozenset(listed) if listed else None
+
+
 def exchange_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device a rank's exchanges on ``group`` (default WORLD) run on when no tensor of its
     own says (a rank without images; pixels still on the host): the device the group is bound

@@ -37,20 +37,42 @@ INLINE_GRID_ROWS = 32
     _GRAD_FIXED,
     _NEW_LAYOUT,
     _BANDS,
-    _SET,  # replicas.declare's fields, then its checksum's
+    _SHAPE,  # the pixels' dims, then their first SHAPE_DIMS sizes (for messages)
 ) = range(12)
+SHAPE_DIMS = 4
+_SET = _SHAPE + 1 + SHAPE_DIMS  # replicas.declare's fields, then its checksum's
 _CHECKSUM = _SET + replicas.DECLARED_FIELDS
 _REPORT = _CHECKSUM + replicas.CHECKSUM_FIELDS
 
 
 # Problems the caller found before the plan (a status of their own: every rank raises them).
+# A problem passed to the plan is ``code | detail << 8`` (``problem_code``): the detail, a count or
+# a device, is what its message names.
 PROBLEMS = {
     "mm_encoder_outputs": 8,
     "hidden_states": 9,
     "compiled_without_pixels": 10,
     "modalities_differ": 11,
     "call_convention": 12,
+    "pixels_none": 13,
+    "grid_none": 14,
+    "pixels_not_rows": 15,
+    "pixels_device": 16,
+    "grid_device": 17,
 }
+
+# Device types a message can name (a problem's detail is the index; -1: another).
+DEVICE_TYPES = ("cpu", "cuda", "meta", "xpu", "hpu", "mps", "privateuseone")
+
+
+def problem_code(name: str, detail: int = 0) -> int:
+    """The ``PROBLEMS`` code ``name`` with its ``detail`` (a count, a ``DEVICE_TYPES`` index)."""
+    return PROBLEMS[name] | max(detail, 0) << 8
+
+
+def device_code(device: torch.device) -> int:
+    """``device``'s type as a ``problem_code`` detail."""
+    return DEVICE_TYPES.index(device.type) if device.type in DEVICE_TYPES else -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +144,8 @@ def gather_grids(
     world = dist.get_world_size(group)
     device = collectives.meta_device(group, pixel_values.device)
     status, arg0, arg1 = _static_status(pixel_values, grid_thw)
+    if problem:  # the caller's find wins: nothing of this rank's input is read
+        status, arg0, arg1 = problem & 0xFF, problem >> 8, 0
     on_device = (
         not status and not transfer.on_host(grid_thw) and not collectives.gathers_on_host(group)
     )
@@ -139,8 +163,6 @@ def gather_grids(
         grid_rows, sums = _read_grid(grid_thw, checksum if joined else None)
         checksum = None if joined else checksum
         status, arg0, arg1, rows = _check_grid(pixel_values, grid_rows, merge_size)
-    if problem:
-        status, arg0, arg1, rows = problem, 0, 0, []
     fields = [
         len(rows) if not on_device or problem else grid_thw.shape[0],
         row_numel(pixel_values) if pixel_values.dim() >= 1 else 0,
@@ -150,6 +172,7 @@ def gather_grids(
         int(grad_fixed),
         int(new_layout),
         int(bands),
+        *_shape_fields(pixel_values),
         *replicas.declare(replica_ranks, dist.get_rank(group)),
         *sums,
         *report,
@@ -167,8 +190,7 @@ def gather_grids(
         # A device checksum into a host header (pixels on a device, grid and header on the
         # host) is the one case where this is a read.
         local[_CHECKSUM:_REPORT] = checksum
-    gathered = torch.empty(world * local.numel(), dtype=torch.int64, device=device)
-    collectives.all_gather(gathered, local, group)
+    gathered = _all_gather(local, group, world)
     values = gathered.view(world, local.numel()).tolist()  # the step's one host read
     size = 3 + len(fields)
     headers = [v[:size] for v in values]
@@ -194,11 +216,19 @@ def gather_grids(
         padded = torch.zeros(max_rows, 3, dtype=torch.int64, device="cpu")
         padded[: len(rows)] = torch.tensor(rows, dtype=torch.int64, device="cpu").view(-1, 3)
         padded = transfer.to_device(padded, device)
-    grids_R = torch.empty(world * max_rows * 3, dtype=torch.int64, device=device)
-    collectives.all_gather(grids_R, padded.flatten(), group)
+    grids_R = _all_gather(padded.flatten(), group, world)
     grids = grids_R.view(world, max_rows, 3).tolist()
     grids_R = [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
     return _agreed_in_sets(Gathered(grids_R, *agreed, reports_R, check, sets, bands), headers)
+
+
+def _all_gather(local: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    """Every rank's ``local``, rank-major; a group of one rank issues no collective."""
+    if world == 1:
+        return local
+    gathered = local.new_empty(world * local.numel())
+    collectives.all_gather(gathered, local, group)
+    return gathered
 
 
 def _agreed_in_sets(gathered: Gathered, headers: list[list[int]]) -> Gathered:
@@ -302,14 +332,31 @@ def _device_header(pixel_values, grid_thw, merge_size, fields) -> torch.Tensor:
     return torch.cat([torch.stack([status, arg0, arg1]).to(torch.int64), host, inline.flatten()])
 
 
-def describe_problem(code: int) -> str:
-    """The message of a ``PROBLEMS`` code."""
-    return _describe(code, 0, 0)
+def _shape_fields(pixel_values: torch.Tensor) -> list[int]:
+    """The header's ``_SHAPE`` fields: dims, then the first ``SHAPE_DIMS`` sizes (zero-padded)."""
+    sizes = list(pixel_values.shape[:SHAPE_DIMS])
+    return [pixel_values.dim(), *sizes, *[0] * (SHAPE_DIMS - len(sizes))]
 
 
-def _describe(status: int, arg0: int, arg1: int) -> str:
+def _shape_text(fields: Sequence[int]) -> str:
+    dims, sizes = fields[0], [str(s) for s in fields[1 : 1 + min(fields[0], SHAPE_DIMS)]]
+    sizes += ["..."] if dims > SHAPE_DIMS else []
+    return f"({', '.join(sizes)}{',' if dims == 1 else ''})"
+
+
+def describe_problem(code: int, pixel_values: torch.Tensor | None = None) -> str:
+    """The message of a ``problem`` code (``pixel_values``: the shape it names, if any)."""
+    shape = _shape_fields(pixel_values) if pixel_values is not None else [0] * (1 + SHAPE_DIMS)
+    return _describe(code & 0xFF, code >> 8, 0, shape)
+
+
+def _device_name(code: int) -> str:
+    return DEVICE_TYPES[code] if 0 <= code < len(DEVICE_TYPES) else "another device type"
+
+
+def _describe(status: int, arg0: int, arg1: int, shape: Sequence[int]) -> str:
     return {
-        1: f"pixel_values must have >= 2 dims (rows, features), got {arg0}",
+        1: f"pixel_values must have >= 2 dims (rows, features), got shape {_shape_text(shape)}",
         2: f"pixel_values dtype must be one of {[str(d) for d in DTYPES]}",
         3: f"image_grid_thw must be 2-D with 3 columns [t, h, w], got {arg0} dims, {arg1} columns",
         4: "image_grid_thw must have an integer dtype",
@@ -335,13 +382,33 @@ def _describe(status: int, arg0: int, arg1: int) -> str:
             "the tower's pixels or grid do not fit the call convention its rule declares "
             "(HFTowerRule.convention)"
         ),
+        PROBLEMS["pixels_none"]: (
+            f"pixel_values is None but image_grid_thw has {arg0} rows (its images would be "
+            "lost); a rank without images passes None for both, or an empty [0, 3] grid"
+        ),
+        PROBLEMS["grid_none"]: (
+            f"image_grid_thw is None but pixel_values has {arg0} rows; pass each image's "
+            "[t, h, w] row"
+        ),
+        PROBLEMS["pixels_not_rows"]: (
+            "pixel_values must be 2-D [rows, features] (t*h*w rows per grid row), got shape "
+            f"{_shape_text(shape)}"
+        ),
+        PROBLEMS["pixels_device"]: (
+            f"pixel_values are on {_device_name(arg0)}, where the balancing group's backend "
+            "cannot exchange them (gloo: cpu; nccl: cuda; never meta)"
+        ),
+        PROBLEMS["grid_device"]: (
+            f"image_grid_thw is on {_device_name(arg0)}; it must be readable (the CPU or the "
+            "pixels' device)"
+        ),
     }[status]
 
 
 def _raise_on_bad_input(headers: list[list[int]]) -> list[tuple[int, ...]] | None:
     """Raise every rank's problems, the same on every rank; else return the replica sets."""
     problems = [
-        f"rank {r}: {_describe(h[_STATUS], h[_ARG0], h[_ARG1])}"
+        f"rank {r}: {_describe(h[_STATUS], h[_ARG0], h[_ARG1], h[_SHAPE:_SET])}"
         for r, h in enumerate(headers)
         if h[_STATUS]
     ]

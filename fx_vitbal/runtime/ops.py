@@ -67,6 +67,8 @@ def redistribute(
         status.check(group_name, route.step)
     if route.mismatched and out_rows is None:  # a batch not as planned: the planned sizes move
         xs = [_as_planned(x, route, n, merge_area) for x, n in zip(xs, block_rows, strict=True)]
+    elif out_rows is None:  # a rank that passed None receives rows in the others' layout
+        xs = [in_agreed_layout(x, route) for x in xs]
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     if route.applied:
         clock = getattr(routing, "_vitbal_clock", None)
@@ -82,6 +84,15 @@ def redistribute(
         blocks_xs = [x.clone() for x in blocks_xs]
     blocks_xs = with_dummy(blocks_xs, route.dummy_rows // merge_area, add=True)
     return [from_blocks(b, x, n) for b, x, n in zip(blocks_xs, xs, block_rows, strict=True)]
+
+
+def in_agreed_layout(x: torch.Tensor, route: Routing) -> torch.Tensor:
+    """``x``, or, for stand-in pixels with no rows and no width (a rank that passed None,
+    ``call.stand_in_pixels``), an empty tensor of the row width and dtype every rank with
+    pixels has (the plan gathered them)."""
+    if x.shape[0] or not route.row_numel or row_numel(x) == route.row_numel:
+        return x
+    return x.new_empty(0, route.row_numel, dtype=route.dtype)
 
 
 def _as_planned(x: torch.Tensor, route: Routing, block_rows: int, merge_area: int):
