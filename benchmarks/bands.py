@@ -78,7 +78,7 @@ def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None) -> 
         sets = [tuple(range(s * replicas, (s + 1) * replicas)) for s in range(len(grids))]
         grids = [grids[r // replicas] for r in range(ranks)]
     scale = bands.exchange_scale(False)
-    plan, units_R, _, _ = plan_units(
+    plan, units_R, _ = plan_units(
         grids, 0, spec, sets=sets, bands=band_rule_of(spec), band_scale=scale
     )
     owners = units_R if sets is None else [units for units in units_R]

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import record_collectives, run_ranks
 
 import fx_vitbal
 from fx_vitbal.plan.units import Plan
@@ -176,11 +176,17 @@ def _skip_and_world_of_one(rank: int, world: int) -> dict:
     vit.register_forward_pre_hook(lambda mod, args: calls.append(args[0].data_ptr()))
     embeds, _, _ = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
-    alone, _, _ = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, group=singles[rank])
-    same_input_object = calls[0] == pixels.data_ptr()
+    verbose = fx_vitbal.BalanceConfig(verbose=True)
+    alone_printed, stats = io.StringIO(), []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    with contextlib.redirect_stdout(alone_printed), record_collectives() as issued:
+        alone, _, _ = fx_vitbal.dp_balance_vit_encoder(
+            vit, pixels, grid, group=singles[rank], config=verbose
+        )
+    handle.remove()
+    same_input_object = calls[0] == pixels.data_ptr() == calls[1]
     # Verbose: one printed line per step, on rank 0 only, with no logging set up.
     printed = io.StringIO()
-    verbose = fx_vitbal.BalanceConfig(verbose=True)
     with contextlib.redirect_stdout(printed):
         for grids in (GRIDS, [[[1, 4, 4]]] * world):  # skewed, then balanced
             _, pixels, grid = make_inputs(grids[rank], in_dim=VIT.in_dim, dtype=torch.float64)
@@ -189,6 +195,11 @@ def _skip_and_world_of_one(rank: int, world: int) -> dict:
         "same_input_object": same_input_object,
         "equal": torch.equal(embeds, alone),
         "log": printed.getvalue().splitlines(),
+        "alone": (
+            alone_printed.getvalue().splitlines(),
+            issued,
+            [(s.step, s.reason, s.applied, s.total_rows) for s in stats],
+        ),
     }
 
 
@@ -196,10 +207,16 @@ def test_skips_without_copies_single_rank_groups_are_plain_calls_and_verbose_log
     results = run_ranks(_skip_and_world_of_one, 2)
     for res in results:
         assert (res["same_input_object"], res["equal"]) == (True, True)
+        # A group of one rank computes plainly, issues no collective, and still reports.
+        log, issued, stats = res["alone"]
+        assert log == ["[vit dp balance] step 1: kept home: one rank (reason=single-rank), 16 rows"]
+        assert issued == []
+        assert stats == [(1, "single-rank", False, 16)]
     assert results[1]["log"] == []
     applied, skipped = results[0]["log"]
-    # Steps count every planned call of the process (one came first; one-rank groups plan none).
-    assert applied.startswith("[vit dp balance] step 2: applied, imbalance ")
-    assert "load/mean max " in applied and re.search(r"moved \d+ of \d+ rows \(", applied)
-    assert skipped.startswith("[vit dp balance] step 3: balanced, imbalance 0.000")
-    assert "load/mean max 1.00 min 1.00 -> max 1.00 min 1.00, moved 0 of" in skipped
+    # Steps count this ViT's calls on this group (BalanceStats.step): one came first, and the
+    # one-rank group counts its own.
+    assert re.match(r"\[vit dp balance\] step 2: applied, moved \d+ of \d+ rows \(", applied)
+    assert ", imbalance " in applied and "load/mean max " in applied
+    assert skipped.startswith("[vit dp balance] step 3: kept home: already balanced")
+    assert "(reason=balanced), 32 rows, imbalance 0.000, load/mean max 1.00 min 1.00" in skipped

@@ -164,7 +164,7 @@ class Measurements:
                 self._clocks.append(clock)
         return step, clock
 
-    def stats(self, step, rank, plan, units_R, measured, exchange) -> BalanceStats:
+    def stats(self, step, rank, plan, units_R, measured, exchange, deduplicated=0) -> BalanceStats:
         model = self.cost_model()
         past = self._history.get(step)
         coeffs = None
@@ -195,6 +195,7 @@ class Measurements:
             exchange_latency=fitted[0] if fitted else None,
             exchange_bandwidth=1.0 / fitted[1] if fitted and fitted[1] > 0 else None,
             split_units=sum(is_band(u) for units in units_R for u in units),
+            deduplicated_rows=deduplicated,
         )
 
 

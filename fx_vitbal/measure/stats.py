@@ -25,16 +25,22 @@ class BalanceStats:
     """
 
     step: int
-    """This call's number (1, 2, ...) for this ViT's settings on this group."""
+    """This call's number (1, 2, ...) for this ViT's settings on this group: one per balanced
+    call, so k micro-batches of gradient accumulation advance it k times per optimizer step.
+    The ``--dp-balance-verbose`` line prints it."""
     rank: int
     applied: bool
     reason: str
-    """``Plan.reason``; ``exchange`` when the predicted exchange outweighed the saving."""
+    """``Plan.reason``: ``applied``, or why every unit stayed home (``balanced``, ``no-gain``,
+    ``cap``, ``dominant-unit``, ``empty``, ``exchange`` when the predicted exchange outweighed
+    the saving, ``single-rank`` on a process group of one rank)."""
     imbalance_before: float
     """Predicted ``max/mean - 1`` of per-rank cost without and with the plan."""
     imbalance_after: float
     moved_rows: int
     total_rows: int
+    """Pixel rows of the call's units, each counted once (a replica set's once, not once per
+    replica)."""
     inter_node_rows: int
     """Pixel rows computed on another node than their own (``Plan.inter_node_tokens``; 0
     without ``BalanceConfig.ranks_per_node``). Bytes: times the pixel and output row sizes."""
@@ -58,6 +64,10 @@ class BalanceStats:
     split_units: int = 0
     """Units computed as row bands of a frame in this call (``BalanceConfig.split_images``):
     every band of every split frame."""
+    deduplicated_rows: int = 0
+    """Pixel rows that replica sets (``replica_group``) no longer compute twice: without
+    balancing every rank of a set computes the set's whole batch, so this is the sum over sets
+    of ``(ranks in the set - 1) * the set's rows``. 0 without replica sets."""
 
 
 _CALLBACKS: "collections.OrderedDict[int, Callable[[BalanceStats], None]]" = (

@@ -46,7 +46,7 @@ from fx_vitbal.runtime.routing import (
     split_units,
 )
 from fx_vitbal.runtime.rows import DTYPES
-from fx_vitbal.runtime.settings import band_rule_of, parse_planner_spec
+from fx_vitbal.runtime.settings import band_rule_of, parse_planner_spec, plan_key
 
 
 @torch.library.custom_op("vitbal::plan", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
@@ -143,7 +143,9 @@ def solve_for_rank(
     # --- measured times (fx_vitbal.measure): report an earlier call in the header, fit from
     # every rank's reports, plan with the fitted models. Ranks whose fits saw different calls
     # would plan differently: the fingerprint covers the count, so they raise together instead.
-    state = measurements_for(group.group_name, planner, lambda: parse_planner_spec(planner)[1])
+    state = measurements_for(
+        group.group_name, plan_key(planner), lambda: parse_planner_spec(planner)[1]
+    )
     fingerprint = settings_fingerprint(planner, merge_size, world_size, state.calls())
     report = state.report()
     dtype_code = DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1
@@ -168,7 +170,7 @@ def solve_for_rank(
     exchange_model = state.exchange_model(pixel_bytes, gathered.pixels_need_grad)
     cost_model = state.cost_model()
     rule = band_rule_of(planner) if gathered.bands else None
-    solved, units_R, note, replica_layout = plan_units(
+    solved, units_R, replica_layout = plan_units(
         gathered.grids_R,
         rank,
         planner,
@@ -180,6 +182,12 @@ def solve_for_rank(
     )
     call_id = next(_CALL_IDS)
     step, clock = state.begin(solved, units_R, merge_size)
+    deduplicated = 0
+    if replica_layout is not None:  # each set's rows, once instead of once per replica
+        deduplicated = sum(
+            (len(ranks) - 1) * sum(unit_rows(u) for u in units)
+            for ranks, units in zip(gathered.sets, replica_layout[1], strict=True)
+        )
     if replica_layout is None:
         routed = functools.partial(local_routing, solved, units_R, rank, merge_size)
         route, rows = routed(), None
@@ -222,7 +230,14 @@ def solve_for_rank(
         routing._vitbal_bands = Bands(band_units, layout.to_tensor(), group.group_name)
     else:
         routing._vitbal_bands = Bands(whole_units(rows), None, group.group_name)
-    defer(call_id, note, lambda: state.stats(step, rank, solved, units_R, measured, exchange_model))
+    note = None
+    if rank == 0 and parse_planner_spec(planner)[0].verbose:
+        note = describe_plan(solved, step, units_R, deduplicated)
+    defer(
+        call_id,
+        note,
+        lambda: state.stats(step, rank, solved, units_R, measured, exchange_model, deduplicated),
+    )
     if not route.applied:  # nothing moves: the gather was the call's last collective
         publish(call_id)
     return grid, routing, solved
@@ -292,9 +307,6 @@ def _(
     return grid, routing
 
 
-_plan_calls = itertools.count(1)  # the step number --dp-balance-verbose prints
-
-
 def plan_units(
     grids_R: list[list[list[int]]],
     rank: int,
@@ -313,11 +325,10 @@ def plan_units(
     are planned once (``plan.replicas.solve_for_sets``). ``bands``: the frames that bind the
     step alone may be split (``plan.bands.solve_with_bands``), their exchange priced by
     ``band_scale`` (``plan.bands.exchange_scale``; None: not priced).
-    Returns ``(plan, units per rank, the --dp-balance-verbose line on rank 0 or None, replica
-    layout)``: the caller prints the line once the call's last collective is done. With replica
-    sets, the units per rank are the units each rank holds in the plan's layout, and the replica
-    layout is ``(held, units of each set)`` (``solve_for_sets``); else it is None. A split
-    frame's ``Band``s replace it among its owner's units.
+    Returns ``(plan, units per rank, replica layout)``. With replica sets, the units per rank
+    are the units each rank holds in the plan's layout, and the replica layout is ``(held,
+    units of each set)`` (``solve_for_sets``); else it is None. A split frame's ``Band``s
+    replace it among its owner's units.
     """
     config, spec_cost = parse_planner_spec(spec)
     cost_of = unit_costs(spec_cost if cost_model is None else cost_model, bands, band_scale)
@@ -347,11 +358,7 @@ def plan_units(
     units_R, replica_layout = units_O, None
     if sets is not None:
         units_R, replica_layout = as_held(units_O, sets, held), (held, units_O)
-    step = next(_plan_calls)
-    note = None
-    if config.verbose and rank == 0:
-        note = describe_plan(plan, step, sum(unit_rows(u) for units in units_O for u in units))
-    return plan, units_R, note, replica_layout
+    return plan, units_R, replica_layout
 
 
 def unit_costs(
@@ -383,16 +390,45 @@ def cost_units(units_R: list[list[tuple]], cost_of) -> tuple[list[list[float]], 
     return costs, tokens
 
 
-def describe_plan(plan: Plan, step: int, total_rows: int) -> str:
-    """The ``--dp-balance-verbose`` line: decision, imbalance, the heaviest and lightest rank's
-    load relative to the mean load, and the pixel rows moved."""
+# What the --dp-balance-verbose line says for each ``Plan.reason`` of a plan kept home.
+KEPT_BECAUSE = {
+    "balanced": "already balanced (imbalance below the trigger threshold)",
+    "no-gain": "no plan lowers the makespan by min_gain",
+    "cap": "every plan found breaks the row cap",
+    "dominant-unit": "one unit outweighs the mean load (seed skip rule)",
+    "single-rank": "one rank",
+    "empty": "no images on any rank",
+    "exchange": "the measured exchange would cost more than it saves",
+}
+
+
+def describe_plan(plan: Plan, step: int, units_R: list[list[tuple]], deduplicated: int = 0) -> str:
+    """The ``--dp-balance-verbose`` line of call ``step`` (``BalanceStats.step``): whether the
+    plan moved work or kept every unit home and why (``Plan.reason`` as ``reason=``), rows
+    moved, imbalance and the heaviest and lightest rank's load relative to the mean; then the
+    frames split into bands, and the rows replica sets no longer compute twice
+    (``deduplicated``)."""
+    total = sum(unit_rows(u) for units in units_R for u in units)
+    if plan.applied:
+        head = f"applied, moved {plan.moved_tokens:,} of {total:,} rows"
+        head += f" ({plan.moved_tokens / max(total, 1):.1%})"
+    else:
+        why = KEPT_BECAUSE.get(plan.reason, plan.reason)
+        head = f"kept home: {why} (reason={plan.reason}), {total:,} rows"
+    line = f"[vit dp balance] step {step}: {head}"
     mean = sum(plan.loads_before) / len(plan.loads_before)
-    if not mean:
-        return f"[vit dp balance] step {step}: {plan.reason}, no images on any rank"
-    before = f"max {max(plan.loads_before) / mean:.2f} min {min(plan.loads_before) / mean:.2f}"
-    after = f"max {max(plan.loads_after) / mean:.2f} min {min(plan.loads_after) / mean:.2f}"
-    return (
-        f"[vit dp balance] step {step}: {plan.reason}, imbalance {plan.imbalance_before:.3f} -> "
-        f"{plan.imbalance_after:.3f}, load/mean {before} -> {after}, moved {plan.moved_tokens} of "
-        f"{total_rows} rows ({plan.moved_tokens / max(total_rows, 1):.1%})"
-    )
+    if mean and len(plan.loads_before) > 1:  # (one rank has no imbalance)
+        before = f"max {max(plan.loads_before) / mean:.2f} min {min(plan.loads_before) / mean:.2f}"
+        line += f", imbalance {plan.imbalance_before:.3f}"
+        if plan.applied:
+            after = f"max {max(plan.loads_after) / mean:.2f} min {min(plan.loads_after) / mean:.2f}"
+            line += f" -> {plan.imbalance_after:.3f}, load/mean {before} -> {after}"
+        else:
+            line += f", load/mean {before}"
+    bands = [u for units in units_R for u in units if is_band(u)]
+    if bands:
+        frames = sum(u.first_row == 0 for u in bands)
+        line += f", {frames} frame{'s' * (frames > 1)} split into {len(bands)} bands"
+    if deduplicated:
+        line += f", replica sets: {deduplicated:,} rows no longer computed twice"
+    return line

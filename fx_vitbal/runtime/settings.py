@@ -66,6 +66,16 @@ def parse_planner_spec(spec: str) -> tuple[BalanceConfig, CostModel]:
     return BalanceConfig(**config), cost_from_spec(fields["cost"])
 
 
+@functools.lru_cache(maxsize=64)
+def plan_key(spec: str) -> str:
+    """``spec`` without what shapes no plan (``verbose``): a ViT's calls on a group are counted
+    and measured under this key (``fx_vitbal.measure``), so turning the verbose line on or off
+    neither restarts ``BalanceStats.step`` nor forgets the measured times."""
+    fields = json.loads(spec)
+    fields["config"]["verbose"] = False
+    return json.dumps(fields, sort_keys=True)
+
+
 def band_rule_of(spec: str) -> BandRule | None:
     """The bands a planner spec allows (``planner_spec``), or None."""
     bands = json.loads(spec).get("bands")
@@ -184,8 +194,10 @@ def active_group(
     replica_group: "dist.ProcessGroup | Sequence[int] | None" = None,
 ) -> tuple[str, int, tuple[int, ...]] | None:
     """``(group_name, world_size, replicas)`` to balance this call over (``replica_ranks``), or
-    None when it runs plainly: no multi-rank group, or balancing inactive
-    (``balancing_active``). The one gate of every path."""
+    None when it runs plainly: no process group, or balancing inactive
+    (``balancing_active``). The one gate of every path. A group of one rank is balanced too:
+    its plan (``single-rank``) moves nothing and gathers nothing, but the call is reported
+    like any other (the verbose line, the stats callbacks)."""
     dist_info = group_name_and_size(group)
     if dist_info is None or not balancing_active(vit, config):
         return None
@@ -214,7 +226,7 @@ def replica_ranks(
 
 def balancing_active(vit: nn.Module, config: BalanceConfig) -> bool:
     """The one rule of every path: enabled, and the ViT trains or ``config.when == "always"``.
-    (Whether a multi-rank group exists is the caller's other condition.)"""
+    (Whether a process group exists is the caller's other condition.)"""
     return config.enabled and in_balancing_mode(vit, config.when)
 
 
@@ -234,8 +246,7 @@ def group_name_and_size(group: dist.ProcessGroup | None) -> tuple[str, int] | No
             _warn_if_launched_without_group()
         return None
     group = group or dist.group.WORLD
-    size = dist.get_world_size(group)
-    return (group.group_name, size) if size > 1 else None
+    return group.group_name, dist.get_world_size(group)
 
 
 @functools.cache
