@@ -380,3 +380,41 @@ def test_any_vit_plans_ahead_from_host_or_meta_pixels_with_or_without_replica_se
         assert [run["gathers"] for run in runs] == [{"all_gather": kind == "host"}] * 3, runs
         assert_units_moved(runs)
     assert all(res["replicas"] for res in results)
+
+
+AUTOCAST = [[[1, 16, 12], [2, 4, 6]], [[1, 2, 2]]]  # 2 ranks: units move to rank 1
+
+
+def _meta_under_autocast(rank: int, world: int) -> dict:
+    """A plan made from ``meta`` pixels inside CPU bf16 autocast, for a step under the same
+    autocast: it must key its output layouts on the autocast of the ViT's device (the CPU, where
+    its parameters are), not on the ``meta`` pixels' device, which has no autocast."""
+    plan_group = dist.new_group(backend="gloo")
+    vit = _model().visual
+    _, pixels, grid = make_inputs(AUTOCAST[rank], in_dim=24, seed=rank)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = vit(pixels, grid)[0].detach()
+        # An earlier step under this autocast: the group agrees on its output layouts (bf16).
+        fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid)
+        planned = fx_vitbal.plan_ahead(vit, pixels.to("meta"), grid, group=plan_group)
+        with record_collectives() as issued, record_moves() as moves:
+            got = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, plan=planned)[0].detach()
+    return {
+        "got": got,
+        "want": want,
+        "gathers": _gathers(issued),
+        "moves": moves,
+        "applied": planned.plan.applied,
+    }
+
+
+def test_a_plan_made_from_meta_pixels_under_autocast_keys_the_steps_autocast_layouts():
+    results = run_ranks(_meta_under_autocast, 2)
+    for rank, res in enumerate(results):
+        assert res["applied"], rank
+        assert res["got"].dtype == res["want"].dtype == torch.bfloat16, rank
+        # The layouts this autocast state agreed on serve the step: no metadata gather and no
+        # layout agreement (a plan keyed without autocast would agree on new ones here).
+        assert res["gathers"] == {"all_gather": 0}, (rank, res["gathers"])
+        torch.testing.assert_close(res["got"], res["want"], rtol=1.6e-2, atol=1e-3)
+    assert_units_moved(results)

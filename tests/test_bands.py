@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.plan.bands import BandRule, exchange_scale, is_band, unit_rows
+from fx_vitbal.plan.bands import Band, BandRule, exchange_scale, is_band, unit_rows
+from fx_vitbal.runtime.band_exchange import LOCAL
+from fx_vitbal.runtime.bands import band_layout
 from fx_vitbal.runtime.planning import plan_units
 from fx_vitbal.runtime.settings import band_rule_of, planner_spec_for
 from fx_vitbal.runtime.vits import vision_encoder_spec
@@ -92,8 +94,8 @@ grids_strategy = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(grids=grids_strategy)
 def test_plans_with_bands_compute_every_row_once_and_never_do_worse(grids):
-    plan, units_R, _, _ = _plan(grids)
-    whole, _, _, _ = _plan(grids, split=False)
+    plan, units_R, _ = _plan(grids)
+    whole, _, _ = _plan(grids, split=False)
     # Every rank's units cover its own rows exactly, in order, each unit computed once.
     for grid, units in zip(grids, units_R, strict=True):
         assert sum(unit_rows(u) for u in units) == sum(t * h * w for t, h, w in grid)
@@ -119,8 +121,8 @@ def test_plans_with_bands_compute_every_row_once_and_never_do_worse(grids):
 
 def test_a_frame_that_binds_the_step_is_split_and_the_makespan_falls():
     grids = [[[1, 128, 128]], [[1, 16, 16]], [], [[1, 32, 32]]]  # 16k patches binds
-    plan, units_R, _, _ = _plan(grids)
-    whole, _, _, _ = _plan(grids, split=False)
+    plan, units_R, _ = _plan(grids)
+    whole, _, _ = _plan(grids, split=False)
     assert sum(map(is_band, units_R[0])) == 4
     assert max(plan.loads_after) < 0.35 * max(whole.loads_before)
 
@@ -129,9 +131,9 @@ def test_frames_are_not_split_where_the_exchange_costs_more_than_it_saves():
     # 1,536 patches: two bands would save ~2.4 ms of compute on an H100 and cost ~1.4 ms of
     # per-layer collectives (64 x 11 us): under the minimum gain of 0.5.
     grids = [[[1, 48, 32]], [[1, 4, 4]]]
-    _, units_R, _, _ = _plan(grids, min_gain=0.5, min_band_patches=256)
+    _, units_R, _ = _plan(grids, min_gain=0.5, min_band_patches=256)
     assert not any(is_band(u) for units in units_R for u in units)
-    _, units_R, _, _ = _plan(grids, min_band_patches=256)  # the default gain: it pays
+    _, units_R, _ = _plan(grids, min_band_patches=256)  # the default gain: it pays
     assert any(is_band(u) for units in units_R for u in units)
 
 
@@ -418,7 +420,7 @@ def test_a_measured_exchange_prices_bands_out_when_it_is_slow():
     def plan_with(latency, seconds_per_byte):
         scale = exchange_scale(True, latency, seconds_per_byte)
         cost = _Seconds(_ARCH)
-        _, units_R, _, _ = plan_units(
+        _, units_R, _ = plan_units(
             grids, 0, spec, cost_model=cost, bands=band_rule_of(spec), band_scale=scale
         )
         return sum(is_band(u) for units in units_R for u in units)
@@ -435,3 +437,123 @@ class _Seconds:
 
     def __call__(self, t: int, h: int, w: int) -> float:
         return 3 * self.macs(t, h, w) / 2e14
+
+
+def test_the_collectives_latency_alone_keeps_a_frame_whole_when_it_outweighs_the_saving():
+    """Bytes priced at nothing: every rank still pays each exchanging layer's collectives
+    (forward and backward) their latency, and a split saving less than that keeps the frame
+    whole; without latency it splits."""
+    grids = [[[1, 128, 128]], [[1, 16, 16]]]
+    config = fx_vitbal.BalanceConfig(min_band_patches=1024)
+    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280))
+    rule, cost = band_rule_of(spec), _Seconds(_ARCH)
+
+    def plan_with(latency):
+        scale = exchange_scale(True, latency, seconds_per_byte=1e-30)  # bytes cost ~nothing
+        planned = plan_units(grids, 0, spec, cost_model=cost, bands=rule, band_scale=scale)
+        plan, units_R = planned[0], planned[1]
+        return plan, sum(is_band(u) for units in units_R for u in units)
+
+    def span(plan):
+        return max(plan.loads_after if plan.applied else plan.loads_before)
+
+    split, bands = plan_with(0.0)
+    whole, no_bands = plan_with(1.0)
+    assert (bands, no_bands) == (2, 0)
+    # The latency at which the split stops beating the whole plan by the minimum gain.
+    even = (span(whole) * (1 - config.min_gain) - span(split)) / (2 * rule.exchange_layers)
+    assert even > 0
+    assert plan_with(0.9 * even)[1] == 2
+    assert plan_with(1.1 * even)[1] == 0
+
+
+# 36 patch rows: whole merge blocks (2 rows) and windows (4 rows), but half of it (18) is not a
+# window's multiple: its bands split at row 20, where whole windows end.
+WINDOW_GRIDS = [[[1, 36, 32]], [[1, 4, 4], [1, 8, 4]]]
+
+
+def _windows_off_center(rank: int, world: int) -> dict:
+    vit = _vit(windows=True)
+    _, pixels, grid = make_inputs(WINDOW_GRIDS[rank], in_dim=24, seed=rank)
+    pixels.requires_grad_(True)
+    want = _grads(vit, pixels, grid, balanced=False)
+    stats = []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    with record_collectives() as issued, record_moves() as moves:
+        got = _grads(vit, pixels, grid, balanced=True)
+    handle.remove()
+    return {
+        "got": got,
+        "want": want,
+        "issued": [(phase, name) for phase, name, _, _ in issued],
+        "moves": moves,
+        "split_units": stats[-1].split_units,
+    }
+
+
+def test_windowed_bands_split_at_whole_windows_where_halving_the_frame_would_cut_one():
+    """Bands of a windowed tower start at whole windows (its ``align_rows``), not merge rows:
+    a band starting inside a window would attend over another window than the unsplit run."""
+    _check(run_ranks(_windows_off_center, 2), split_units=2)
+
+
+# --- the exchange ops on a hand-built layout
+
+# One frame of 6 x 4 patches owned by rank 0, as three bands of 2 rows, and the rank computing
+# each band: with 2 ranks, rank 0 computes two of them (the planner never plans that, the ops
+# allow it); with 1 rank, all three.
+BAND_FRAME = [Band(1, 2, 4, 6, first) for first in (0, 2, 4)]
+BAND_PLACEMENT = {1: [0, 0, 0], 2: [0, 0, 1]}
+
+
+def _band_ops(rank: int, world: int) -> dict:
+    """``vitbal::band_gather`` and its backward ``vitbal::band_scatter`` on every rank's layout
+    from ``band_layout``, against autograd of the same rows gathered by slicing (``torch.cat``):
+    each band attends over its whole frame, so each local unit gets the frame's rows."""
+    placement = BAND_PLACEMENT[world]
+    units_O = [BAND_FRAME] + [[] for _ in range(world - 1)]
+
+    def computed_by(owner, index):
+        return placement[index]
+
+    # Every rank's local rows (its bands', in order), made alike on every rank for the reference.
+    rows_R = [8 * placement.count(r) for r in range(world)]
+    xs_R = [
+        torch.randn(n, 3, 2, generator=torch.Generator().manual_seed(r), requires_grad=True)
+        for r, n in enumerate(rows_R)
+    ]
+    frame = torch.cat(  # the frame's rows, band by band, from the rank computing each band
+        [
+            xs_R[p][8 * placement[:i].count(p) : 8 * placement[:i].count(p) + 8]
+            for i, p in enumerate(placement)
+        ]
+    )
+    wants = [torch.cat([frame] * placement.count(r)) for r in range(world)]
+    weights = [torch.linspace(-1, 2, w.numel()).view_as(w) + r for r, w in enumerate(wants)]
+    loss = sum((w * c).sum() for w, c in zip(wants, weights, strict=True))
+    want_grad = torch.autograd.grad(loss, xs_R[rank])[0]
+    x = xs_R[rank].detach().clone().requires_grad_(True)
+    arrivals = [(0, i) for i, p in enumerate(placement) if p == rank]
+    layout = band_layout(units_O, computed_by, arrivals, rank, world, 2)[1]
+    got = torch.ops.vitbal.band_gather(x, layout.to_tensor(), dist.group.WORLD.group_name)
+    (got_grad,) = torch.autograd.grad((got * weights[rank]).sum(), x)
+    return {
+        "got": got.detach(),
+        "want": wants[rank].detach(),
+        "grad": (got_grad, want_grad),
+        "local_twice": sum(s == LOCAL for s, _, _ in layout.pieces) >= 2,
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_band_scatter_sums_the_gradients_of_local_rows_gathered_twice(world):
+    """Two bands of one frame on one rank: each gathers the frame, so its local rows appear in
+    two pieces and their gradients must add up (with rows that arrived from another rank)."""
+    results = run_ranks(_band_ops, world)
+    for rank, res in enumerate(results):
+        if rank == 0:
+            assert res["local_twice"], "the layout should hold rank 0's rows twice"
+        torch.testing.assert_close(res["got"], res["want"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            *res["grad"], rtol=1e-6, atol=1e-6, msg=lambda m, r=rank: f"rank {r}: {m}"
+        )

@@ -7,12 +7,15 @@ two spawns plus one transformers import here.
 import importlib
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import assert_units_moved, record_collectives, record_moves, run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
 transformers = pytest.importorskip("transformers")
@@ -21,6 +24,7 @@ import fx_vitbal  # noqa: E402
 from fx_vitbal.config import BalanceConfig  # noqa: E402
 from fx_vitbal.cost import ArchitectureCost  # noqa: E402
 from fx_vitbal.integrations import hf, hf_towers  # noqa: E402
+from fx_vitbal.integrations.hf_inputs import STRIPS  # noqa: E402
 from fx_vitbal.runtime import vits  # noqa: E402
 from fx_vitbal.runtime.settings import parse_planner_spec  # noqa: E402
 
@@ -645,3 +649,112 @@ def test_a_bad_input_on_one_rank_raises_the_same_error_on_every_rank(case):
     messages = run_ranks(_bad_input_on_rank_1, 2, case)
     assert messages[0] == messages[1], messages
     assert "rank 1" in messages[0] and "rank 0" not in messages[0], messages[0]
+
+
+# --- MiniCPM-V's strips (``hf_inputs.STRIPS``): a tower balanced on its own, and the geometry
+
+
+def _processor_strip(image: torch.Tensor, patch: int) -> torch.Tensor:
+    """A ``(C, H, W)`` image as MiniCPM-V's processor lays it out (``reshape_by_patch``):
+    ``(C, p, (H/p)*(W/p)*p)``, its patches in raster order along the width."""
+    channels = image.shape[0]
+    patches = torch.nn.functional.unfold(image[None], (patch, patch), stride=(patch, patch))
+    patches = patches.reshape(channels, patch, patch, -1).permute(0, 1, 3, 2)
+    return patches.reshape(channels, patch, -1)
+
+
+_STRIP_CONFIG = st.builds(
+    lambda c, p: types.SimpleNamespace(num_channels=c, patch_size=p),
+    st.integers(1, 3),
+    st.integers(1, 4),
+)
+_SIZES = st.lists(st.tuples(st.integers(1, 5), st.integers(1, 5)), min_size=1, max_size=4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(config=_STRIP_CONFIG, patches=st.integers(0, 12))
+def test_a_strip_round_trips_through_pixel_rows(config, patches):
+    c, p = config.num_channels, config.patch_size
+    strip = torch.randn(1, c, p, patches * p)
+    rows = STRIPS.rows(strip, config)
+    assert rows.shape == (patches, c * p * p)
+    torch.testing.assert_close(STRIPS.pixels(rows, config), strip, rtol=0, atol=0)
+
+
+@given(sizes=_SIZES)
+def test_target_sizes_round_trip_through_grid_rows(sizes):
+    target_sizes = torch.tensor(sizes, dtype=torch.int32)
+    grid = STRIPS.grid(target_sizes)
+    assert grid.shape == (len(sizes), 3) and grid[:, 0].eq(1).all()
+    torch.testing.assert_close(STRIPS.tower_grid(grid), target_sizes, rtol=0, atol=0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(config=_STRIP_CONFIG, sizes=_SIZES)
+def test_an_images_pixel_rows_are_its_patches_in_raster_order_of_its_grid_row(config, sizes):
+    """The ``[t, h, w]`` grid row of ``(h, w)`` target sizes reads the image's pixel rows
+    row-major over ``(h, w)``, as every ``grid_thw`` does: non-square images tell ``h`` from
+    ``w``."""
+    c, p = config.num_channels, config.patch_size
+    images = [torch.randn(c, h * p, w * p) for h, w in sizes]
+    strip = torch.cat([_processor_strip(image, p) for image in images], dim=-1)[None]
+    rows = STRIPS.rows(strip, config)
+    grid = STRIPS.grid(torch.tensor(sizes, dtype=torch.int32))
+    first = 0
+    for image, (t, h, w) in zip(images, grid.tolist(), strict=True):
+        assert (t, h * p, w * p) == (1, *image.shape[1:]), "the grid row is not the image's"
+        patches = rows[first : first + t * h * w].reshape(h, w, c, p, p)
+        for i in range(h):
+            for j in range(w):
+                want = image[:, i * p : (i + 1) * p, j * p : (j + 1) * p]
+                torch.testing.assert_close(patches[i, j], want, rtol=0, atol=0)
+        first += t * h * w
+    assert first == rows.shape[0]
+
+
+# Non-square target sizes in patches; rank 0 holds most of the work, so units move to rank 1.
+MINICPM_SIZES = [[[4, 6], [2, 4], [6, 4]], [[2, 4]]]
+
+
+def _minicpm_step(tower, strip, sizes, merger: bool) -> tuple:
+    """The tower's output, pixel gradient and all-reduced parameter gradients."""
+    pixels = strip.clone().requires_grad_(True)
+    out = tower(pixels, target_sizes=sizes, use_vit_merger=merger).last_hidden_state
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = _all_reduced_grads(tower)
+    tower.zero_grad(set_to_none=True)
+    return out.detach(), pixels.grad, grads
+
+
+def _minicpm_tower(rank: int, world: int) -> dict:
+    from hf_zoo import minicpm_ocr
+
+    sizes = torch.tensor(MINICPM_SIZES[rank], dtype=torch.int32)
+    results = {}
+    for merger in (True, False):  # the tower's default, and "4x" mode's call (a row a patch)
+        tower = minicpm_ocr.build().model.vision_tower
+        c, p = tower.config.num_channels, tower.config.patch_size
+        seed = torch.Generator().manual_seed(rank)
+        strip = minicpm_ocr.strip(
+            torch.randn(int(sizes.prod(1).sum()), c * p * p, generator=seed), c, p
+        )
+        want = _minicpm_step(tower, strip, sizes, merger)
+        fx_vitbal.enable_vit_balance(tower, config=BalanceConfig(trigger_threshold=0.0))
+        with record_moves() as moves:
+            got = _minicpm_step(tower, strip, sizes, merger)
+        results[merger] = {"got": got, "want": want, "moves": moves}
+    return results
+
+
+def test_a_minicpm_tower_balanced_on_its_own_with_non_square_strips_equals_its_plain_call():
+    results = run_ranks(_minicpm_tower, 2)
+    for merger in (True, False):
+        for rank, res in enumerate(r[merger] for r in results):
+            for got, want, what in zip(
+                res["got"], res["want"], ["output", "pixel grad", "grads"], strict=True
+            ):
+                where = f"use_vit_merger={merger} rank {rank} {what}"
+                torch.testing.assert_close(
+                    got, want, rtol=1e-5, atol=1e-5, msg=lambda m, where=where: f"{where}: {m}"
+                )
+        assert_units_moved([r[merger] for r in results])
