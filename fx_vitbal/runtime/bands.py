@@ -42,7 +42,8 @@ class BandUnit:
     full_rows: int
     """Its frame's patch rows (``rows`` for a whole unit)."""
     width: int
-    """Its patch columns."""
+    """Its patch columns (the grid row's ``w``; a band has its frame's). Not a feature width:
+    ``BandSupport.width`` is the tower's key/value width (heads x head size)."""
 
 
 class Bands:

@@ -90,7 +90,8 @@ class BandSupport:
     each band's patches at the frame's rows
     (``Bands.units[i].first_row``), and in every layer that attends over whole frames it
     attends from a band's queries over ``Bands.gather``'s keys and values (the whole frame's).
-    Each field is a number, or a function of the ViT instance giving it."""
+    Each field is a number, or a function of the ViT instance giving it. ``width`` is a feature
+    width (its keys' values per patch), not ``BandUnit.width`` (a unit's patch columns)."""
 
     align_rows: int | Callable[[nn.Module], int]
     """Patch rows a band starts at a multiple of: the merge size, or the window height in
@@ -98,7 +99,12 @@ class BandSupport:
     exchange_layers: int | Callable[[nn.Module], int]
     """Layers that attend over whole frames (each gathers keys and values once)."""
     width: int | Callable[[nn.Module], int]
-    """Values per patch of its keys (and of its values): heads x head size."""
+    """The key/value width: values per patch of its keys (and of its values) in one exchanging
+    layer, heads x head size (e.g. 1280 for Qwen2-VL's tower: 16 heads of 80); not patch
+    columns (``BandUnit.width``). It only prices the exchange when the planner decides whether
+    a split pays (what a band's rank receives per exchanging layer, in the forward and again in
+    the backward: ``2 x width`` bf16 values for each other patch of its frame), so a wrong value
+    changes which frames are split, never what a split computes."""
     compiled: bool = False
     """Its ``forward`` also runs under ``torch.compile`` from the tensor form of ``Bands``
     (``unit_table`` and ``gather``; then it gets ``vitbal_bands`` on every step). Without it, a
