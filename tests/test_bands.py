@@ -4,7 +4,9 @@ never too small, and split only where it lowers the makespan; on 2 and 4 gloo ra
 that runs bands gives the unsplit run's outputs and gradients (fp32, 1e-5 relative), every rank
 issuing the same collectives, and the paths that cannot run bands plan whole frames."""
 
+import contextlib
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -180,10 +182,15 @@ def _eager(rank: int, world: int, windows: bool) -> dict:
     _, pixels, grid = make_inputs(GRIDS[world][rank], in_dim=24, seed=rank)
     pixels.requires_grad_(True)
     want = _grads(vit, pixels, grid, balanced=False)
-    stats = []
+    stats, printed = [], io.StringIO()
     handle = fx_vitbal.add_stats_callback(stats.append)
-    with record_collectives() as issued, record_moves() as moves:
-        got = _grads(vit, pixels, grid, balanced=True)
+    verbose = dataclasses.replace(CONFIG, verbose=True)
+    with (
+        record_collectives() as issued,
+        record_moves() as moves,
+        contextlib.redirect_stdout(printed),
+    ):
+        got = _grads(vit, pixels, grid, balanced=True, config=verbose)
     handle.remove()
     # The same batch without splitting: no per-layer exchange.
     with record_collectives() as whole:
@@ -197,6 +204,7 @@ def _eager(rank: int, world: int, windows: bool) -> dict:
         "whole": [(phase, name) for phase, name, _, _ in whole],
         "moves": moves,
         "split_units": stats[-1].split_units,
+        "printed": printed.getvalue(),
     }
 
 
@@ -216,6 +224,9 @@ def _check(results, split_units: int) -> None:
     assert len({tuple(res["issued"]) for res in results}) == 1  # lockstep
     assert [res["split_units"] for res in results] == [split_units] * len(results)
     assert any(sum(res["moves"]) for res in results)
+    # The verbose line (rank 0) names the frame split and its bands.
+    assert f", 1 frame split into {split_units} bands" in results[0]["printed"]
+    assert [res["printed"] for res in results[1:]] == [""] * (len(results) - 1)
 
 
 @pytest.mark.parametrize("windows", [False, True], ids=["full attention", "windows"])
@@ -477,10 +488,15 @@ def _windows_off_center(rank: int, world: int) -> dict:
     _, pixels, grid = make_inputs(WINDOW_GRIDS[rank], in_dim=24, seed=rank)
     pixels.requires_grad_(True)
     want = _grads(vit, pixels, grid, balanced=False)
-    stats = []
+    stats, printed = [], io.StringIO()
     handle = fx_vitbal.add_stats_callback(stats.append)
-    with record_collectives() as issued, record_moves() as moves:
-        got = _grads(vit, pixels, grid, balanced=True)
+    verbose = dataclasses.replace(CONFIG, verbose=True)
+    with (
+        record_collectives() as issued,
+        record_moves() as moves,
+        contextlib.redirect_stdout(printed),
+    ):
+        got = _grads(vit, pixels, grid, balanced=True, config=verbose)
     handle.remove()
     return {
         "got": got,
@@ -488,6 +504,7 @@ def _windows_off_center(rank: int, world: int) -> dict:
         "issued": [(phase, name) for phase, name, _, _ in issued],
         "moves": moves,
         "split_units": stats[-1].split_units,
+        "printed": printed.getvalue(),
     }
 
 

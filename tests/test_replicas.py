@@ -24,6 +24,7 @@ from test_backend import _RegionModel
 import fx_vitbal
 from fx_vitbal import _compat
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.runtime.planning import describe_plan
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
@@ -109,8 +110,11 @@ def _eager(rank: int, world: int, sets, config=CONFIG, steps=2) -> dict:
         _, pixels, grid = make_inputs(grids, in_dim=24, seed=s, dtype=torch.float64)
         want = _vit_step(vit, False, pixels, grid, k, len(replicas), replicas)
         del computed[:]
+        stats = []
+        handle = fx_vitbal.add_stats_callback(stats.append)
         with record_moves() as moves, record_collectives() as issued:
             got = _vit_step(vit, True, pixels, grid, k, len(replicas), replicas, config)
+        handle.remove()
         # Pixel gradients: one replica per unit gets it; summed over the set, the replicated
         # run's (each replica's own gradient, summed).
         pixel_grads = [None] * world
@@ -125,6 +129,7 @@ def _eager(rank: int, world: int, sets, config=CONFIG, steps=2) -> dict:
                 "computed": list(computed),
                 "moves": moves,
                 "issued": issued,
+                "reported": (stats[-1].total_rows, stats[-1].deduplicated_rows),
             }
         )
     return results
@@ -165,6 +170,9 @@ def _check_eager(sets, results) -> None:
         once = sum(per_rank[ranks[0]]["rows"] for ranks in sets)
         computed = sum(sum(res["computed"]) for res in per_rank)
         assert once <= computed <= once + 4 * world, (once, computed)
+        # Reported: each set's rows once, and the rows its other replicas no longer compute.
+        twice = sum((len(ranks) - 1) * per_rank[ranks[0]]["rows"] for ranks in sets)
+        assert {res["reported"] for res in per_rank} == {(once, twice)}
         # Lockstep: every rank issued the same collectives, and units left their ranks.
         kinds = {tuple((p, n) for p, n, _, _ in res["issued"]) for res in per_rank}
         assert len(kinds) == 1, kinds
@@ -458,3 +466,10 @@ def test_a_hugging_face_vlm_planned_ahead_with_replicas_matches_the_replicated_r
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"rank {rank}")
         torch.testing.assert_close(grads, want_grads, rtol=1e-4, atol=1e-5, msg=f"rank {rank}")
         assert forward[0] == "all_to_all", forward  # no metadata gather in the step
+
+
+def test_the_verbose_line_names_the_rows_replica_sets_no_longer_compute_twice():
+    plan = fx_vitbal.solve_plan([[4.0], [1.0]], [[16], [4]])
+    line = describe_plan(plan, 7, [[(1, 4, 4)], [(1, 2, 2)]], deduplicated=20)
+    assert line.startswith("[vit dp balance] step 7: ")
+    assert line.endswith(", replica sets: 20 rows no longer computed twice")
