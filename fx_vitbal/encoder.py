@@ -22,7 +22,7 @@ from torch import nn
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.runtime import handover
 from fx_vitbal.runtime.call import call_inputs, input_problem, run_balanced
-from fx_vitbal.runtime.metadata import PROBLEMS, describe_problem
+from fx_vitbal.runtime.problems import PROBLEMS, describe_problem
 from fx_vitbal.runtime.settings import (
     DEFAULT_CONFIG,
     active_group,

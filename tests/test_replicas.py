@@ -23,8 +23,8 @@ from test_backend import _RegionModel
 
 import fx_vitbal
 from fx_vitbal import _compat
+from fx_vitbal.measure.stats import describe_plan
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.runtime.planning import describe_plan
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 

@@ -76,7 +76,7 @@ from fx_vitbal.runtime.call import (
     input_problem,
     run_balanced,
 )
-from fx_vitbal.runtime.metadata import PROBLEMS, describe_problem
+from fx_vitbal.runtime.problems import PROBLEMS, describe_problem
 from fx_vitbal.runtime.settings import active_group, layout_token, planner_spec_for
 from fx_vitbal.runtime.vits import EntryPoint, is_vision_encoder_class, register_entry_point
 

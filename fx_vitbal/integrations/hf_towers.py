@@ -7,9 +7,7 @@ video's frames may be computed on different ranks (a tower attending across the 
 gives silently wrong results if they are split), which output fields its parent reads, and where
 its config keeps the dimensions the cost model needs all differ between families. The rules
 shipped here are keyed by class name, so this module never imports transformers; classes users
-register are keyed by the class itself, and their subclasses inherit them; a shipped rule is
-that of the tower's own transformers class only.
-"""
+register are keyed by the class itself, inherited by subclasses (a shipped rule is not)."""
 
 import dataclasses
 import inspect
@@ -303,8 +301,7 @@ SHIPPED_RULES: dict[str, HFTowerRule] = {
     "Glm4vMoeVisionModel": HFTowerRule(family="GLM-4.5V", bands="glm", **_GLM),
     "GlmOcrVisionModel": HFTowerRule(family="GLM-OCR", **dict(_GLM, dims=_qwen_dims)),
     "Glm5NextVisionModel": HFTowerRule(family="GLM-5-Next", **dict(_GLM, dims=_qwen_dims)),
-}
-"""The towers of transformers 5.x this package ships rules for, by class name."""
+}  # The towers of transformers 5.x this package ships rules for, by class name.
 
 REFUSED_TOWERS: dict[str, str] = {
     "Step3p7VisionModel": (
@@ -319,8 +316,7 @@ REFUSED_TOWERS: dict[str, str] = {
         "GLM-Image generates images: its grid holds target grids that have no pixels, and its "
         "tower's outputs become discrete VQ codes that no gradient goes through"
     ),
-}
-"""Tower classes that cannot be balanced, and why."""
+}  # Tower classes that cannot be balanced, and why.
 
 REFUSED_PARENTS: dict[str, str] = {
     "ColQwen2ForRetrieval": (
@@ -348,12 +344,11 @@ def refuse_parents(model: nn.Module) -> None:
 def hf_tower_rule(cls: type) -> HFTowerRule:
     """The rule of a tower class: the first class in its MRO registered by
     ``register_hf_tower``, else the shipped (or refused) rule of its own transformers class, the
-    first in the MRO (wrappers such as FSDP2's ``FSDP<name>`` are seen through). A transformers
-    tower that subclasses another family's (ERNIE's and LFM3's subclass Qwen2-VL's) does not
-    inherit its rule: it may compute differently (LFM3 adds a convolution).
+    first in the MRO (FSDP2's ``FSDP<name>`` is seen through). A transformers tower subclassing
+    another family's (ERNIE's, LFM3's: Qwen2-VL's) does not inherit its rule: LFM3 adds a conv.
 
     Raises:
-        TypeError: refused, or no rule (the message names the registry).
+        TypeError: refused, no grid, or no rule (the message names the registry).
     """
     registered = next((_BY_CLASS[base] for base in cls.__mro__ if base in _BY_CLASS), None)
     if registered is not None:
@@ -363,14 +358,11 @@ def hf_tower_rule(cls: type) -> HFTowerRule:
         raise TypeError(f"{own} cannot be balanced: {REFUSED_TOWERS[own]}")
     if own in SHIPPED_RULES:
         return SHIPPED_RULES[own]
-    forward = inspect.signature(cls.forward).parameters
-    if not any("grid" in name or "sizes" in name for name in forward):
-        raise TypeError(
-            f"{cls.__qualname__} takes no image grid (no grid_thw argument): it encodes "
-            "fixed-size images, so every rank's vision work already grows with its image count "
-            "alone and there is nothing to balance by grid (fx_vitbal balances towers whose "
-            "cost follows each image's [t, h, w]: the ones fx_vitbal.register_hf_tower "
-            "declares)"
+    if not any("grid" in p or "sizes" in p for p in inspect.signature(cls.forward).parameters):
+        raise TypeError(  # LLaVA's CLIPVisionModel: its work grows with its image count alone
+            f"{cls.__qualname__} takes no image grid (grid_thw): its images are fixed-size, so "
+            "there is nothing to balance by grid (fx_vitbal balances towers whose cost follows "
+            "each image's [t, h, w])"
         )
     raise TypeError(
         f"{cls.__qualname__} is not a known Hugging Face vision tower: if it keeps the contract "

@@ -57,7 +57,7 @@ def insert_plan_and_redistribute(
     ViT for its agreed output layouts (``settings.layout_token``); ``replicas``: the group ranks
     holding this rank's batch (``runtime.replicas``), passed only when there are some;
     ``bands``: a node saying whether the ViT call runs row bands (``runtime.bands``), passed
-    only for a ViT that can; ``problem``: a node giving the batch's ``metadata.problem_code``
+    only for a ViT that can; ``problem``: a node giving the batch's ``problems.problem_code``
     (``call.call_inputs``), raised by the plan on every rank."""
     args = (pixels, grid, merge, planner, world_size, group_name, active, layout_token)
     kwargs = {"problem": problem} if problem is not None else {}

@@ -11,7 +11,7 @@ from torch import nn
 from fx_vitbal.measure import clock as step_clock
 from fx_vitbal.runtime import collectives, ops, planning, transfer
 from fx_vitbal.runtime.bands import bands_for_vit
-from fx_vitbal.runtime.metadata import DEVICE_TYPES, PROBLEMS, device_code, problem_code
+from fx_vitbal.runtime.problems import DEVICE_TYPES, PROBLEMS, device_code, problem_code
 from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.settings import layout_token
 from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
@@ -59,7 +59,7 @@ def run_balanced(
     plan made ahead for it (``runtime.handover``: it replaces the plan op's gather and solve), and
     whose trainable parameters' gradients mark the end of its backward for the measured times
     (``fx_vitbal.measure.clock``; eager only: compiled calls report no time). ``problem``: a
-    ``metadata.PROBLEMS`` code the caller found; the plan raises it on every rank. ``bands``:
+    ``problems.PROBLEMS`` code the caller found; the plan raises it on every rank. ``bands``:
     ``run`` can run row bands of a frame (``runtime.bands``): it gets the batch's ``Bands``
     (``Bands.split`` on a step whose plan splits a frame), else None; under ``torch.compile``
     (only for a tower that runs them so) their tensor form, on every step.
@@ -176,7 +176,7 @@ def call_inputs(
     rows_2d: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(pixels, grid, problem)``: a balanced call's batch as the plan takes it, and a
-    ``metadata.problem_code`` (0: none) that the plan raises on every rank.
+    ``problems.problem_code`` (0: none) that the plan raises on every rank.
 
     A rank without images may pass None for both (or None pixels with an empty grid): it takes
     part with stand-in pixels (``stand_in_pixels``) and an empty grid. None on one side only
@@ -214,7 +214,7 @@ def input_problem(
     exchanged: tuple[str, ...] | None = None,
 ) -> int:
     """The problem of a call's pixels and grid that only this rank can see before the plan's
-    gather (``metadata.problem_code``; 0: none): one side None while the other holds rows,
+    gather (``problems.problem_code``; 0: none): one side None while the other holds rows,
     pixels not 2-D where ``rows_2d``, pixels on a device type not in ``exchanged`` (the
     group's; None: anywhere) or a grid on ``meta`` (it cannot be read). The gather checks
     shapes, dtypes and values itself. No host read: only sizes and devices are looked at."""
@@ -248,7 +248,7 @@ def group_device_types(group_name: str) -> tuple[str, ...]:
 
 
 def stand_in_pixels(vit: nn.Module, group_name: str) -> tuple[torch.Tensor, int]:
-    """Empty pixels for a rank that passed None, and a ``metadata.PROBLEMS`` code (0: none).
+    """Empty pixels for a rank that passed None, and a ``problems.PROBLEMS`` code (0: none).
 
     They live where the group's exchanges run (``collectives.exchange_device``), not where the
     ViT's parameters are: under CPU offload those are on the host, and a host tensor in an NCCL

@@ -100,7 +100,7 @@ def step_outputs(
     """``vitbal::plan``'s outputs ``(balanced grid, routing)`` from ``planned`` (module doc).
     ``max_units``: the routing size the op's fake kernel gives this call; ``grad_fixed``: the
     call is compiled, so its pixels' ``requires_grad`` is not compared; ``problem``: a
-    ``metadata.PROBLEMS`` code the caller found, which with no gather to carry it makes this
+    ``problems.PROBLEMS`` code the caller found, which with no gather to carry it makes this
     rank's batch not the one planned; ``replicas``: the step's replica ranks, which must be the
     planned ones (else the batch counts as not planned); ``bands``: the call can run row bands
     (a plan that splits a frame, handed to a call that cannot, counts as not planned).
