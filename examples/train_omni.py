@@ -5,8 +5,11 @@ each balanced call's statistics as the runtime reports them (``fx_vitbal.add_sta
 decision, predicted imbalance before and after, rows moved, each rank's measured ViT time and
 what the online cost model had predicted for it), the ViT time of every rank with and without
 balancing (medians over the steps after the warm-up), and that training itself is unchanged (same
-losses). With matplotlib (the ``plot`` extra) it writes a PNG: per-rank ViT time unbalanced vs
-balanced, and predicted vs measured per-rank time over the steps.
+losses). With matplotlib (the ``plot`` extra) it writes a PNG: per-rank ViT CPU time unbalanced vs
+balanced (left), and per-rank ViT wall-clock time as the runtime measured it and as the online
+model predicted it, over the steps (right). Steps are numbered as ``BalanceStats.step`` numbers
+the balanced calls: each run's untimed warm-up call comes before step 1 and is forgotten
+(``fx_vitbal.measure.reset()``).
 
 Both runs start from the same weights, see the same data and take real AdamW steps with gradients
 averaged over ranks; they are interleaved step by step so both see the same machine load. The
@@ -21,6 +24,7 @@ import argparse
 import copy
 import dataclasses
 import logging
+import math
 import os
 import random
 import statistics
@@ -58,7 +62,9 @@ ViT, restore) plus from the first gradient reaching the ViT outputs to the end o
 reverse move, ViT backward). CPU time, not wall-clock: {ranks} ranks share {cpus} cores and other
 jobs, so a wall clock would time the OS scheduler; idle waiting for other ranks is not counted.
 Runtime: the balanced call's statistics (fx_vitbal.BalanceStats); its own clock is the wall clock
-around the ViT alone, reported one step later. Cost model: {cost_model}. fp32, 1 thread per rank."""
+around the ViT alone, reported one step later. Cost model: {cost_model}. fp32, 1 thread per rank.
+Step k is the balanced ViT's call k (BalanceStats.step): an untimed warm-up call per run comes
+first, and the runtime forgets it (fx_vitbal.measure.reset())."""
 
 
 def step_grids(step: int, num_ranks: int) -> list[list[list[int]]]:
@@ -150,19 +156,11 @@ def rank_main(rank: int, world: int, config: fx_vitbal.BalanceConfig, options: d
     if config.verbose:
         # stdout, so the runtime's line lands inside the step it belongs to.
         logging.basicConfig(level=logging.INFO, format="  runtime: %(message)s", stream=sys.stdout)
-    stats: list[fx_vitbal.BalanceStats] = []
-    fx_vitbal.add_stats_callback(stats.append)  # every balanced call, on every rank
     torch.manual_seed(0)  # same initial weights on every rank and in every run
     base = OmniEncoderModel(VIT, LM)
     runs = {"on": make_run(base, config)}
     if both:
         runs = {"off": make_run(base, None), **runs}
-    # One untimed forward+backward per run: the first call of the vitbal ops imports
-    # torch._dynamo (seconds), and allocator and kernels warm up. No optimizer step is taken.
-    warm_up_inputs = make_inputs(step_grids(0, world)[rank], **_input_kwargs(0, rank))
-    for run in runs.values():
-        run.model(*warm_up_inputs).sum().backward()
-        run.optimizer.zero_grad()
     if rank == 0:
         runs_text = "without and with ViT balancing" if both else "with ViT balancing"
         header = HEADER.format(
@@ -175,14 +173,29 @@ def rank_main(rank: int, world: int, config: fx_vitbal.BalanceConfig, options: d
             cost_model=config.cost_model,
         )
         print(header, flush=True)
+        if config.verbose:  # the warm-up call's line comes next
+            print("\nwarm-up (untimed, then forgotten):", flush=True)
+    # One untimed forward+backward per run: the first call of the vitbal ops imports
+    # torch._dynamo (seconds), and allocator and kernels warm up. No optimizer step is taken.
+    warm_up_inputs = make_inputs(step_grids(0, world)[rank], **_input_kwargs(0, rank))
+    for run in runs.values():
+        run.model(*warm_up_inputs).sum().backward()
+        run.optimizer.zero_grad()
+    # Forget the warm-up call, on every rank: its time (first-call costs included) would feed the
+    # online fit, and the balanced calls are numbered from 1 again (BalanceStats.step), so call k
+    # is step k.
+    fx_vitbal.measure.reset()
+    stats: list[fx_vitbal.BalanceStats] = []
+    fx_vitbal.add_stats_callback(stats.append)  # every balanced call, on every rank
     report = {name: {"loss": [], "per_rank": []} for name in runs}
-    for step in range(steps):
-        grids = step_grids(step, world)
+    for step in range(1, steps + 1):
+        grids = step_grids(step - 1, world)
         if rank == 0:
             patches = [sum(t * h * w for t, h, w in rank_grids) for rank_grids in grids]
-            print(f"\nstep {step + 1}: patches per rank {' '.join(map(str, patches))}")
-        inputs = make_inputs(grids[rank], **_input_kwargs(step, rank))
+            print(f"\nstep {step}: patches per rank {' '.join(map(str, patches))}")
+        inputs = make_inputs(grids[rank], **_input_kwargs(step - 1, rank))
         results = {name: train_step(run, inputs, world) for name, run in runs.items()}
+        assert stats[-1].step == step, (stats[-1].step, step)  # one balanced call a step
         seconds = {name: vit for name, (_, vit) in results.items()}
         gathered = [None] * world
         dist.all_gather_object(gathered, seconds)
@@ -216,10 +229,12 @@ def _print_step(stats: fx_vitbal.BalanceStats, results, gathered, report) -> Non
     measured = [s for s in stats.measured_seconds if s is not None]
     if len(measured) == len(stats.measured_seconds):
         step = max(stats.measured_steps)
-        print(f"  call {step} measured ViT ms per rank: {_cells(measured, 1e-3, '5.0f')}")
+        cells = _cells(measured, 1e-3, "5.0f")
+        print(f"  step {step} measured ViT wall ms per rank:  {cells}")
         predicted = stats.measured_predicted_seconds
         if None not in predicted:
-            print(f"  call {step} predicted ms per rank:    {_cells(predicted, 1e-3, '5.0f')}")
+            cells = _cells(predicted, 1e-3, "5.0f")
+            print(f"  step {step} predicted ViT wall ms per rank: {cells}")
     for name, (loss, _) in results.items():
         per_rank = [1e3 * rank_seconds[name] for rank_seconds in gathered]
         report[name]["loss"].append(loss)
@@ -264,47 +279,89 @@ def _print_summary(report, warmup: int) -> None:
     print(f"losses: max |balanced - unbalanced| = {diff:.3g} over all steps, fp32 ({verdict})")
 
 
-def plot(report, stats, warmup: int, path: str) -> None:
-    """Left: each rank's median ViT CPU time, unbalanced vs balanced. Right: each rank's ViT time
-    as the runtime measured it and as the online model predicted it when it planned the call."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        print("(no PNG: matplotlib is not installed; pip install 'fx_vitbal[plot]')")
-        return
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+def runtime_times(
+    stats: list[fx_vitbal.BalanceStats],
+) -> tuple[list[dict[int, float]], list[dict[int, float]]]:
+    """``(measured, predicted)``, per rank ``{step: ms}``: the ViT wall-clock time of every step
+    the runtime reported one for (a call reports each rank's previous timed call, so the last
+    step's time is never reported), and what the online fit predicted for it when that step was
+    planned, where it did (only once the fit no longer blends in the prior: a blended model gives
+    no per-rank time)."""
+    world = len(stats[0].measured_steps) if stats else 0
+    measured: list[dict[int, float]] = [{} for _ in range(world)]
+    predicted: list[dict[int, float]] = [{} for _ in range(world)]
+    for s in stats:
+        for r, step in enumerate(s.measured_steps):
+            if step == 0 or s.measured_seconds[r] is None:  # rank r reported no time
+                continue
+            measured[r][step] = 1e3 * s.measured_seconds[r]
+            if s.measured_predicted_seconds[r] is not None:
+                predicted[r][step] = 1e3 * s.measured_predicted_seconds[r]
+    return measured, predicted
+
+
+def figure(report, stats, warmup: int):
+    """Left: each rank's median ViT CPU time, unbalanced vs balanced. Right: each rank's ViT
+    wall-clock time per step as the runtime measured it and as the online model predicted it when
+    it planned the step (``runtime_times``). Needs matplotlib."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.8), layout="constrained")
     left, right = fig.subplots(1, 2)
-    timed = slice(warmup, None) if len(report["on"]["per_rank"]) > warmup else slice(None)
+    num_steps = len(report["on"]["per_rank"])
+    if num_steps <= warmup:
+        warmup = 0  # too few steps: keep all, as the summary does
     world = len(report["on"]["per_rank"][0])
     width = 0.8 / len(report)
     for i, (name, runs) in enumerate(report.items()):
-        medians = [statistics.median(col) for col in zip(*runs["per_rank"][timed], strict=True)]
+        cols = zip(*runs["per_rank"][warmup:], strict=True)
+        medians = [statistics.median(col) for col in cols]
         label = "balanced" if name == "on" else "unbalanced"
         xs = [r + (i - (len(report) - 1) / 2) * width for r in range(world)]
         left.bar(xs, medians, width, label=label, color="tab:blue" if name == "on" else "0.65")
     left.set_xticks(range(world), [f"rank {r}" for r in range(world)])
-    left.set_ylabel("ViT forward + backward, CPU ms (median)")
-    left.set_title("per-rank ViT time: the slowest rank sets the step")
-    left.legend()
-    pairs = {}  # call -> (predicted, measured) per rank, from the stats of the calls after it
-    for s in stats:
-        if None in s.measured_predicted_seconds or len(set(s.measured_steps)) != 1:
-            continue
-        pairs[s.measured_steps[0]] = (s.measured_predicted_seconds, s.measured_seconds)
+    left.set_ylabel("ViT forward + backward: CPU time, ms")
+    kept = f"steps {warmup + 1}-{num_steps}" if num_steps > warmup + 1 else f"step {num_steps}"
+    left.set_title(f"process CPU time, median of {kept}\n(the slowest rank sets the step)")
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize="small")
+    measured, predicted = runtime_times(stats)
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
-    for r in range(world):
-        calls = sorted(pairs)
+    for r in range(len(measured)):
         color = colors[r % len(colors)]
-        right.plot(calls, [1e3 * pairs[c][1][r] for c in calls], "-o", ms=3, color=color)
-        right.plot(calls, [1e3 * pairs[c][0][r] for c in calls], "--", color=color)
-    right.plot([], [], "k-o", ms=3, label="measured (runtime clock, wall)")
-    right.plot([], [], "k--", label="predicted by the online fit")
-    right.set_xlabel("balanced call (warm-up call = 1)")
-    right.set_ylabel("ViT forward + backward, ms")
-    right.set_title("online cost model: predicted vs measured, per rank")
-    right.legend()
+        steps = sorted(measured[r])
+        ms = [measured[r][k] for k in steps]
+        right.plot(steps, ms, "-o", ms=3, color=color, label=f"rank {r}")
+        if predicted[r]:  # NaN where the fit predicted nothing: a gap, not a line across it
+            steps = range(min(predicted[r]), max(predicted[r]) + 1)
+            ms = [predicted[r].get(k, math.nan) for k in steps]
+            right.plot(steps, ms, "--x", ms=4, color=color)
+    right.plot([], [], "k-o", ms=3, label="measured (reported by the next step)")
+    right.plot([], [], "k--x", ms=4, label="predicted (none while the fit blends in its prior)")
+    right.set_xlabel("step (BalanceStats.step)")
+    right.set_ylabel("ViT forward + backward: wall-clock time, ms")
+    right.set_title("wall-clock time, balanced run:\nruntime clock vs online cost model")
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize="small")
+    return fig
+
+
+def plot(report, stats, warmup: int, path: str) -> None:
+    """Write ``figure(...)`` to ``path`` (a note instead without matplotlib)."""
+    try:
+        fig = figure(report, stats, warmup)
+    except ImportError:
+        print("(no PNG: matplotlib is not installed; pip install 'fx_vitbal[plot]')")
+        return
     fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    measured, predicted = runtime_times(stats)
+    print(
+        f"wrote {path} (right: measured steps {_steps_text(measured)}, "
+        f"predicted steps {_steps_text(predicted)})"
+    )
+
+
+def _steps_text(per_rank: list[dict[int, float]]) -> str:
+    steps = sorted(set().union(*per_rank))
+    return " ".join(map(str, steps)) if steps else "none"
 
 
 def main() -> None:
@@ -323,8 +380,10 @@ def main() -> None:
     if args.steps < 1 or args.ranks < 2:
         parser.error(f"need --steps >= 1 and --ranks >= 2, got {args.steps} and {args.ranks}")
     # --use-vit-dp-balance: train balanced only, as a training script would; else compare both.
+    # The balanced run reads the --dp-balance-* flags either way.
     both = not args.use_vit_dp_balance
-    config = dataclasses.replace(fx_vitbal.BalanceConfig.from_args(args), enabled=True)
+    args.use_vit_dp_balance = True
+    config = fx_vitbal.BalanceConfig.from_args(args)
     options = {"steps": args.steps, "both": both, "warmup": args.warmup, "plot": args.plot}
     launch(rank_main, args.ranks, config, options)
 
