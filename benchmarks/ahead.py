@@ -27,9 +27,9 @@ from torch import nn
 
 import fx_vitbal
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.plan.step import plan_step
 from fx_vitbal.runtime import handover, planning
-from fx_vitbal.runtime.planning import plan_units
-from fx_vitbal.runtime.settings import planner_for
+from fx_vitbal.runtime.settings import plan_settings, planner_for
 from fx_vitbal.tools.models import QwenStyleViT
 from fx_vitbal.tools.workloads import sample_batches
 
@@ -155,9 +155,10 @@ def rank_main(rank: int, repeats: int) -> None:
 
 
 def print_at_scale(vit, per_rank: list[dict]) -> None:
-    """What the in-step solve alone (``plan_units``, no gather) costs on a simulated 2048-rank
+    """What the in-step solve alone (``plan_step``, no gather) costs on a simulated 2048-rank
     world of the realistic mix, next to this machine's balanced step (skewed, in step)."""
     spec, _ = planner_for(vit, fx_vitbal.BalanceConfig())
+    settings = plan_settings(spec)
     step = max(r[("eager", "skewed")]["in step"][0] for r in per_rank)
     rows = []
     for images in (1, 8, 16):
@@ -165,7 +166,7 @@ def print_at_scale(vit, per_rank: list[dict]) -> None:
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            plan_units(grids_R, 1, spec)
+            plan_step(grids_R, settings)
             times.append(time.perf_counter() - start)
         units = sum(len(g) for g in grids_R)
         rows.append(

@@ -21,9 +21,9 @@ import statistics
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan import bands
-from fx_vitbal.plan.bands import is_band, unit_rows
-from fx_vitbal.runtime.planning import plan_units
-from fx_vitbal.runtime.settings import KV_BYTES, band_rule_of, planner_spec_for
+from fx_vitbal.plan import step as planning
+from fx_vitbal.plan.units import is_band, unit_rows
+from fx_vitbal.runtime.settings import KV_BYTES, plan_settings, planner_spec_for
 from fx_vitbal.tools.simulate import QWEN2_VL_7B
 from fx_vitbal.tools.workloads import sample_batches, sample_grid
 
@@ -78,9 +78,8 @@ def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None) -> 
         sets = [tuple(range(s * replicas, (s + 1) * replicas)) for s in range(len(grids))]
         grids = [grids[r // replicas] for r in range(ranks)]
     scale = bands.exchange_scale(False)
-    plan, units_R, _ = plan_units(
-        grids, 0, spec, sets=sets, bands=band_rule_of(spec), band_scale=scale
-    )
+    planned = planning.plan_step(grids, plan_settings(spec, band_scale=scale), sets)
+    plan, units_R = planned.plan, planned.units_R
     owners = units_R if sets is None else [units for units in units_R]
     costs = [
         QWEN2_VL_7B(1, u[3], u[2]) * u[1] / u[3] if is_band(u) else QWEN2_VL_7B(*u)

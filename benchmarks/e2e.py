@@ -30,8 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fx_vitbal
+from fx_vitbal.plan.step import split_units
 from fx_vitbal.runtime import ops, planning
-from fx_vitbal.runtime.routing import Routing, split_units
+from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.settings import parse_planner_spec, planner_for, planner_spec
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.simulate import QWEN2_VL_7B

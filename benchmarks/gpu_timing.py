@@ -19,8 +19,8 @@ from gpu_harness import Context, plain_vit, run_ranks
 import fx_vitbal
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import PolynomialCost, QuadraticCost
-from fx_vitbal.runtime import planning
-from fx_vitbal.runtime.settings import planner_for
+from fx_vitbal.plan.step import plan_step
+from fx_vitbal.runtime.settings import plan_settings, planner_for
 from fx_vitbal.runtime.vits import vision_encoder_spec
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.workloads import sample_grid
@@ -133,7 +133,8 @@ def profile_section(ctx: Context) -> None:
     rank0_s = timed(lambda: forward_backward(vit, *inputs[0]), ctx.device, repeats)
     spec, _ = planner_for(vit, BalanceConfig())
     grids64 = grids_R + [[sample_grid(rng) for _ in range(8)] for _ in range(64 - world)]
-    solve_s = timed(lambda: planning.plan_units(grids64, 0, spec), torch.device("cpu"), repeats)
+    settings = plan_settings(spec)
+    solve_s = timed(lambda: plan_step(grids64, settings), torch.device("cpu"), repeats)
     device_note = "" if ctx.device.type == "cuda" else " (no device on the CPU)"
     name = str(dtype).removeprefix("torch.")
     print(f"## Balancing's own cost in a balanced step: QwenStyleViT hidden {config.hidden}, depth "

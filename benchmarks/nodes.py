@@ -22,7 +22,7 @@ import time
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan.solve import solve_plan
-from fx_vitbal.runtime.routing import split_units
+from fx_vitbal.plan.step import split_units
 from fx_vitbal.tools.simulate import BYTES_PER_ROW, QWEN2_VL_7B
 from fx_vitbal.tools.workloads import sample_batches
 

@@ -65,7 +65,7 @@ from e2e import EVEN, SKEWED, VIT, _cpu_name, _table, inputs, timed
 
 import fx_vitbal
 from fx_vitbal.plan.replicas import solve_for_sets
-from fx_vitbal.runtime.routing import split_units
+from fx_vitbal.plan.step import split_units
 from fx_vitbal.runtime.settings import parse_planner_spec, planner_for
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 

@@ -1,7 +1,7 @@
-"""Balancing configuration and the Megatron-style command-line flags.
+"""Balancing configuration and the Megatron-style command-line flags. The dataclass is the one
+source of truth; argparse lives only at the edge, so library code never reads global arguments.
 
-The dataclass is the one source of truth; argparse lives only at the edge, so library code
-never reads global arguments. [Note: flags] ``_FLAGS`` is the one table of the flags (spelling, field, argparse options, help):
+[Note: flags] ``_FLAGS`` is the one table of the flags (spelling, field, argparse options, help):
 ``add_vit_balance_args`` adds its rows, each help ending with the default, and ``from_args`` reads
 them back; ``docs/flags.md`` documents them (a test keeps it in step). ``__post_init__`` alone
 judges values and raises ``ValueError`` naming the field; the flags layer maps it to the flag:

@@ -25,11 +25,12 @@ from hypothesis import strategies as st
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.plan.bands import Band, BandRule, exchange_scale, is_band, unit_rows
+from fx_vitbal.plan.bands import Band, BandRule, exchange_scale
+from fx_vitbal.plan.step import plan_step
+from fx_vitbal.plan.units import is_band, unit_rows
 from fx_vitbal.runtime.band_exchange import LOCAL
 from fx_vitbal.runtime.bands import band_layout
-from fx_vitbal.runtime.planning import plan_units
-from fx_vitbal.runtime.settings import band_rule_of, planner_spec_for
+from fx_vitbal.runtime.settings import band_rule_of, plan_settings, planner_spec_for
 from fx_vitbal.runtime.vits import vision_encoder_spec
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
@@ -72,13 +73,13 @@ _ARCH = ArchitectureCost(hidden=1280, mlp_hidden=5120, depth=32, in_dim=1176, ou
 
 
 def _plan(grids, split: bool = True, **config):
-    """``plan_units`` as the plan op calls it when every rank runs bands, its exchange priced
-    at NVLink speed on an H100 (``plan.bands``)."""
+    """``(plan, units per rank)`` as the plan op plans them when every rank runs bands, their
+    exchange priced at NVLink speed on an H100 (``plan.bands``)."""
     config = {"min_band_patches": 1024, **config}
     config = fx_vitbal.BalanceConfig(split_images=split, **config)
     spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280))
-    rule = band_rule_of(spec)
-    return plan_units(grids, 0, spec, bands=rule, band_scale=exchange_scale(False))
+    planned = plan_step(grids, plan_settings(spec, band_scale=exchange_scale(False)))
+    return planned.plan, planned.units_R
 
 
 grids_strategy = st.lists(
@@ -96,8 +97,8 @@ grids_strategy = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(grids=grids_strategy)
 def test_plans_with_bands_compute_every_row_once_and_never_do_worse(grids):
-    plan, units_R, _ = _plan(grids)
-    whole, _, _ = _plan(grids, split=False)
+    plan, units_R = _plan(grids)
+    whole, _ = _plan(grids, split=False)
     # Every rank's units cover its own rows exactly, in order, each unit computed once.
     for grid, units in zip(grids, units_R, strict=True):
         assert sum(unit_rows(u) for u in units) == sum(t * h * w for t, h, w in grid)
@@ -123,8 +124,8 @@ def test_plans_with_bands_compute_every_row_once_and_never_do_worse(grids):
 
 def test_a_frame_that_binds_the_step_is_split_and_the_makespan_falls():
     grids = [[[1, 128, 128]], [[1, 16, 16]], [], [[1, 32, 32]]]  # 16k patches binds
-    plan, units_R, _ = _plan(grids)
-    whole, _, _ = _plan(grids, split=False)
+    plan, units_R = _plan(grids)
+    whole, _ = _plan(grids, split=False)
     assert sum(map(is_band, units_R[0])) == 4
     assert max(plan.loads_after) < 0.35 * max(whole.loads_before)
 
@@ -133,9 +134,9 @@ def test_frames_are_not_split_where_the_exchange_costs_more_than_it_saves():
     # 1,536 patches: two bands would save ~2.4 ms of compute on an H100 and cost ~1.4 ms of
     # per-layer collectives (64 x 11 us): under the minimum gain of 0.5.
     grids = [[[1, 48, 32]], [[1, 4, 4]]]
-    _, units_R, _ = _plan(grids, min_gain=0.5, min_band_patches=256)
+    _, units_R = _plan(grids, min_gain=0.5, min_band_patches=256)
     assert not any(is_band(u) for units in units_R for u in units)
-    _, units_R, _ = _plan(grids, min_band_patches=256)  # the default gain: it pays
+    _, units_R = _plan(grids, min_band_patches=256)  # the default gain: it pays
     assert any(is_band(u) for units in units_R for u in units)
 
 
@@ -431,9 +432,8 @@ def test_a_measured_exchange_prices_bands_out_when_it_is_slow():
     def plan_with(latency, seconds_per_byte):
         scale = exchange_scale(True, latency, seconds_per_byte)
         cost = _Seconds(_ARCH)
-        _, units_R, _ = plan_units(
-            grids, 0, spec, cost_model=cost, bands=band_rule_of(spec), band_scale=scale
-        )
+        settings = plan_settings(spec, cost_model=cost, band_scale=scale)
+        units_R = plan_step(grids, settings).units_R
         return sum(is_band(u) for units in units_R for u in units)
 
     assert plan_with(11e-6, 1 / 350e9) == 2  # NVLink: two bands
@@ -461,8 +461,8 @@ def test_the_collectives_latency_alone_keeps_a_frame_whole_when_it_outweighs_the
 
     def plan_with(latency):
         scale = exchange_scale(True, latency, seconds_per_byte=1e-30)  # bytes cost ~nothing
-        planned = plan_units(grids, 0, spec, cost_model=cost, bands=rule, band_scale=scale)
-        plan, units_R = planned[0], planned[1]
+        planned = plan_step(grids, plan_settings(spec, cost_model=cost, band_scale=scale))
+        plan, units_R = planned.plan, planned.units_R
         return plan, sum(is_band(u) for units in units_R for u in units)
 
     def span(plan):

@@ -23,8 +23,8 @@ from test_backend import _RegionModel
 
 import fx_vitbal
 from fx_vitbal import _compat
-from fx_vitbal.measure.stats import describe_plan
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
+from fx_vitbal.plan.step import StepPlan, describe_plan
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
@@ -469,7 +469,9 @@ def test_a_hugging_face_vlm_planned_ahead_with_replicas_matches_the_replicated_r
 
 
 def test_the_verbose_line_names_the_rows_replica_sets_no_longer_compute_twice():
-    plan = fx_vitbal.solve_plan([[4.0], [1.0]], [[16], [4]])
-    line = describe_plan(plan, 7, [[(1, 4, 4)], [(1, 2, 2)]], deduplicated=20)
+    # One set of two ranks holding one 16-row image: planned once, 16 rows not computed twice.
+    plan = fx_vitbal.solve_plan([[4.0], []], [[16], []])
+    planned = StepPlan(plan, [[(1, 4, 4)]], [[(1, 4, 4)], []], [(0, 1)], [[0], []])
+    line = describe_plan(planned, 7)
     assert line.startswith("[vit dp balance] step 7: ")
-    assert line.endswith(", replica sets: 20 rows no longer computed twice")
+    assert line.endswith(", replica sets: 16 rows no longer computed twice")

@@ -358,7 +358,8 @@ def hf_tower_rule(cls: type) -> HFTowerRule:
         raise TypeError(f"{own} cannot be balanced: {REFUSED_TOWERS[own]}")
     if own in SHIPPED_RULES:
         return SHIPPED_RULES[own]
-    if not any("grid" in p or "sizes" in p for p in inspect.signature(cls.forward).parameters):
+    takes = inspect.signature(cls.forward).parameters
+    if "pixel_values" in takes and not any("grid" in p or "sizes" in p for p in takes):
         raise TypeError(  # LLaVA's CLIPVisionModel: its work grows with its image count alone
             f"{cls.__qualname__} takes no image grid (grid_thw): its images are fixed-size, so "
             "there is nothing to balance by grid (fx_vitbal balances towers whose cost follows "

@@ -29,8 +29,7 @@ from fx_vitbal.cost.online import FittedCost, OnlineFit
 from fx_vitbal.cost.static import CostModel, OnlineCost
 from fx_vitbal.measure.clock import StepClock
 from fx_vitbal.measure.stats import BalanceStats, has_callbacks
-from fx_vitbal.plan.bands import is_band, unit_rows
-from fx_vitbal.plan.units import Plan
+from fx_vitbal.plan.units import Plan, is_band, unit_rows
 
 log = logging.getLogger(__name__)
 

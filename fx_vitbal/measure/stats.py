@@ -10,9 +10,6 @@ from collections.abc import Callable
 
 from torch.utils.hooks import RemovableHandle
 
-from fx_vitbal.plan.bands import is_band, unit_rows
-from fx_vitbal.plan.units import Plan
-
 log = logging.getLogger(__name__)
 
 # Calls whose reports wait for ``publish``; older ones are dropped (their restore never ran).
@@ -133,47 +130,3 @@ def publish(call_id: int) -> None:
             if handle_id not in _FAILED:
                 _FAILED.add(handle_id)
                 log.exception("vit dp balance: stats callback %r raised; it keeps being called", fn)
-
-
-# What the --dp-balance-verbose line says for each ``Plan.reason`` of a plan kept home.
-KEPT_BECAUSE = {
-    "balanced": "already balanced (imbalance below the trigger threshold)",
-    "no-gain": "no plan lowers the makespan by min_gain",
-    "cap": "every plan found breaks the row cap",
-    "dominant-unit": "one unit outweighs the mean load (seed skip rule)",
-    "single-rank": "one rank",
-    "empty": "no images on any rank",
-    "exchange": "the measured exchange would cost more than it saves",
-}
-
-
-def describe_plan(plan: Plan, step: int, units_R: list[list[tuple]], deduplicated: int = 0) -> str:
-    """The ``--dp-balance-verbose`` line of call ``step`` (``BalanceStats.step``): whether the
-    plan moved work or kept every unit home and why (``Plan.reason`` as ``reason=``), rows
-    moved, imbalance and the heaviest and lightest rank's load relative to the mean; then the
-    frames split into bands, and the rows replica sets no longer compute twice
-    (``deduplicated``)."""
-    total = sum(unit_rows(u) for units in units_R for u in units)
-    if plan.applied:
-        head = f"applied, moved {plan.moved_tokens:,} of {total:,} rows"
-        head += f" ({plan.moved_tokens / max(total, 1):.1%})"
-    else:
-        why = KEPT_BECAUSE.get(plan.reason, plan.reason)
-        head = f"kept home: {why} (reason={plan.reason}), {total:,} rows"
-    line = f"[vit dp balance] step {step}: {head}"
-    mean = sum(plan.loads_before) / len(plan.loads_before)
-    if mean and len(plan.loads_before) > 1:  # (one rank has no imbalance)
-        before = f"max {max(plan.loads_before) / mean:.2f} min {min(plan.loads_before) / mean:.2f}"
-        line += f", imbalance {plan.imbalance_before:.3f}"
-        if plan.applied:
-            after = f"max {max(plan.loads_after) / mean:.2f} min {min(plan.loads_after) / mean:.2f}"
-            line += f" -> {plan.imbalance_after:.3f}, load/mean {before} -> {after}"
-        else:
-            line += f", load/mean {before}"
-    bands = [u for units in units_R for u in units if is_band(u)]
-    if bands:
-        frames = sum(u.first_row == 0 for u in bands)
-        line += f", {frames} frame{'s' * (frames > 1)} split into {len(bands)} bands"
-    if deduplicated:
-        line += f", replica sets: {deduplicated:,} rows no longer computed twice"
-    return line

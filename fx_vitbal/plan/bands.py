@@ -19,10 +19,10 @@ Deterministic like every plan: the same units give the same bands on every rank.
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
-from fx_vitbal.plan.units import Plan
+from fx_vitbal.plan.units import is_band
 
 # What one all_to_all and one byte cost, in multiply-accumulates of a ViT, on an H100-class GPU:
 # bf16 dense 989 TFLOP/s (NVIDIA's datasheet) at ~40% MFU is ~2e14 MAC/s, and a forward MAC costs
@@ -47,16 +47,6 @@ class Band(NamedTuple):
     w: int
     full_h: int
     first_row: int
-
-
-def unit_rows(unit: Sequence[int]) -> int:
-    """Pixel rows of a unit ``(t, h, w)`` or a ``Band``."""
-    return unit[0] * unit[1] * unit[2]
-
-
-def is_band(unit: Sequence[int]) -> bool:
-    """Whether a unit is a ``Band`` of a frame (five fields) rather than a whole unit."""
-    return len(unit) == 5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,7 +85,7 @@ class BandRule:
     def price(self, band: Band, bytes_per_cost: float) -> float:
         """The bytes ``band``'s rank receives, in cost units: per exchanging layer, forward and
         backward, the other bands' keys and values (their gradients going back). The
-        collectives' latency is every rank's (``solve_with_bands``' ``collective_cost``)."""
+        collectives' latency is every rank's (``plan.step.solve_with_bands``)."""
         other_patches = (band.full_h - band.h) * band.w
         return 2 * self.exchange_layers * other_patches * self.kv_bytes_per_patch / bytes_per_cost
 
@@ -105,90 +95,38 @@ def band_cost(frame_cost: float, band: Band) -> float:
     return frame_cost * band.h / band.full_h
 
 
-def solve_with_bands(
+def bands_of_binding_frames(
     units_O: list[list[tuple]],
-    cost_of: Callable[[Sequence[int]], float],
-    solve: Callable[[list[list[tuple]]], tuple[Plan, object]],
-    rule: BandRule | None,
-    *,
+    costs_O: list[list[float]],
     num_ranks: int,
-    min_gain: float,
-    collective_cost: float = 0.0,
-    max_bands: int | None = None,
-    computed_by: Callable[[Plan, object], Callable[[int, int], int]] | None = None,
-) -> tuple[Plan, object, list[list[tuple]]]:
-    """``solve``'s plan of ``units_O``, or of ``units_O`` with the frames that bind the step
-    split into bands, when that lowers the predicted makespan by ``min_gain``.
-
-    A frame binds when it costs more than the mean load (no plan of whole units ends below its
-    cost); each is split into as many bands as bring it to the mean (at most ``max_bands``, one a
-    rank, as the rule's alignment and minimum allow), and the whole step is planned again. A
-    frame whose bands all land on one rank is put back whole, and the step planned again (a
-    split that moves no work would only add collectives).
-
-    Args:
-        units_O: every owner's units ``(t, h, w)`` (an owner is a rank, or a replica set).
-        cost_of: a unit's cost (a ``Band``'s with its exchange priced in).
-        solve: ``units -> (plan, anything)``: ``solve_plan`` (or ``solve_for_sets``) over their
-            costs and rows.
-        rule: the tower's bands, or None: never split.
-        num_ranks: the ranks the plan spreads over.
-        min_gain: the relative makespan reduction the split plan must bring.
-        collective_cost: what every rank pays per exchanging layer and direction on a step with
-            bands (the collectives are the whole group's), in cost units.
-        max_bands: the most bands a frame is split into (node-aware plans: a node's ranks, so
-            its bands can stay on its node). None: ``num_ranks``.
-        computed_by: ``(plan, what solve returned besides it) -> ((owner, index) -> the rank
-            computing that unit)``. None: owners are ranks (``plan.destinations``).
-
-    Returns:
-        ``(plan, what solve returned besides it, units)``: the units planned, bands among them
-        (a split frame's bands replace it in its owner's list, in order).
-    """
-    plan, extra = solve(units_O)
-    max_bands = min(num_ranks, max_bands or num_ranks)
-    if rule is None or num_ranks < 2:
-        return plan, extra, units_O
-    mean = sum(cost_of(u) for units in units_O for u in units) / num_ranks
-    split, any_split = [], False
-    for units in units_O:
+    rule: BandRule,
+    max_bands: int,
+) -> list[list[tuple]]:
+    """``units_O`` with every frame that binds the step alone as bands. A frame binds when it
+    costs more than the mean load (``costs_O``: each unit's cost; no plan of whole units ends
+    below it); it becomes as many bands as bring it to the mean, at most ``max_bands``, as the
+    rule's alignment and minimum allow (``BandRule.bands``)."""
+    mean = sum(map(sum, costs_O)) / num_ranks
+    split = []
+    for units, costs in zip(units_O, costs_O, strict=True):
         kept = []
-        for u in units:
+        for u, cost in zip(units, costs, strict=True):
             parts = 1
-            if not is_band(u) and u[0] == 1 and cost_of(u) > mean:
-                parts = min(max_bands, math.ceil(cost_of(u) / mean))
+            if not is_band(u) and u[0] == 1 and cost > mean:
+                parts = min(max_bands, math.ceil(cost / mean))
             bands = rule.bands(u, parts) if parts > 1 else [u]
-            any_split |= len(bands) > 1
             kept += bands if len(bands) > 1 else [u]
         split.append(kept)
-    if not any_split:
-        return plan, extra, units_O
-    computed_by = computed_by or (lambda p, _: lambda o, i: p.destinations(o)[i])
-    for _ in range(MAX_REPLANS):
-        banded, banded_extra = solve(split)
-        where = computed_by(banded, banded_extra)
-        kept = [_whole_where_idle(units, o, where) for o, units in enumerate(split)]
-        if kept == split:
-            break
-        split = kept
-    if not any(is_band(u) for units in split for u in units):
-        return plan, extra, units_O
-    span = _makespan(banded) + 2 * rule.exchange_layers * collective_cost
-    if span >= _makespan(plan) * (1.0 - min_gain):
-        return plan, extra, units_O
-    return banded, banded_extra, split
+    return split
 
 
-# Plans made while putting back frames whose bands landed on one rank (each puts back at least one).
-MAX_REPLANS = 3
-
-
-def _whole_where_idle(units: list[tuple], owner: int, where) -> list[tuple]:
-    """``units`` with every frame whose bands are all computed on one rank whole again."""
+def whole_where_idle(units: list[tuple], where: list[int]) -> list[tuple]:
+    """``units`` with every frame whose bands are all computed on one rank whole again
+    (``where[i]``: the rank computing unit ``i``)."""
     out, frame = [], []
     for i, u in enumerate([*units, None]):
         if frame and (u is None or not is_band(u) or u.first_row == 0):
-            if len({where(owner, j) for j, _ in frame}) == 1:
+            if len({where[j] for j, _ in frame}) == 1:
                 out.append((1, frame[0][1].full_h, frame[0][1].w))
             else:
                 out += [band for _, band in frame]
@@ -198,10 +136,6 @@ def _whole_where_idle(units: list[tuple], owner: int, where) -> list[tuple]:
         elif u is not None:
             out.append(u)
     return out
-
-
-def _makespan(plan: Plan) -> float:
-    return max(plan.loads_after if plan.applied else plan.loads_before)
 
 
 def exchange_scale(

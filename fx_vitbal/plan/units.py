@@ -32,6 +32,17 @@ import torch
 from fx_vitbal.plan.assignment import Assignment
 
 
+def unit_rows(unit: Sequence[int]) -> int:
+    """Pixel rows of a unit ``(t, h, w)`` or a band (``plan.bands.Band``)."""
+    return unit[0] * unit[1] * unit[2]
+
+
+def is_band(unit: Sequence[int]) -> bool:
+    """Whether a unit is a band of a frame (``plan.bands.Band``: five fields) rather than a
+    whole unit ``(t, h, w)``."""
+    return len(unit) == 5
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Which rank computes which unit, and what that is predicted to achieve.

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
-from fx_vitbal.plan.bands import is_band, unit_rows
+from fx_vitbal.plan.units import is_band, unit_rows
 from fx_vitbal.runtime import transfer
 from fx_vitbal.runtime.band_exchange import LOCAL, BandLayout
 from fx_vitbal.runtime.moves import merged_ranges

@@ -16,20 +16,12 @@ import torch
 import torch.distributed as dist
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
-from fx_vitbal.cost.static import ArchitectureCost, CostModel
+from fx_vitbal.cost.static import ArchitectureCost
 from fx_vitbal.measure.measurements import measurements_for
-from fx_vitbal.measure.stats import defer, describe_plan, publish
-from fx_vitbal.plan.bands import (
-    BandRule,
-    band_cost,
-    exchange_scale,
-    is_band,
-    solve_with_bands,
-    unit_rows,
-)
-from fx_vitbal.plan.replicas import as_held, solve_for_sets
-from fx_vitbal.plan.solve import solve_plan
-from fx_vitbal.plan.units import Plan
+from fx_vitbal.measure.stats import defer, publish
+from fx_vitbal.plan.bands import exchange_scale
+from fx_vitbal.plan.step import describe_plan, plan_step
+from fx_vitbal.plan.units import Plan, is_band
 from fx_vitbal.runtime import handover, status, transfer
 from fx_vitbal.runtime.bands import Bands, band_layout, whole_units
 from fx_vitbal.runtime.collectives import group_ranks, resolve_group
@@ -43,10 +35,9 @@ from fx_vitbal.runtime.routing import (
     local_routing,
     max_units,
     routing_size,
-    split_units,
 )
 from fx_vitbal.runtime.rows import DTYPES
-from fx_vitbal.runtime.settings import band_rule_of, parse_planner_spec, plan_key
+from fx_vitbal.runtime.settings import parse_planner_spec, plan_key, plan_settings
 
 
 @torch.library.custom_op("vitbal::plan", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
@@ -169,40 +160,32 @@ def solve_for_rank(
     pixel_bytes = gathered.row_numel * DTYPES[gathered.dtype_code].itemsize
     exchange_model = state.exchange_model(pixel_bytes, gathered.pixels_need_grad)
     cost_model = state.cost_model()
-    rule = band_rule_of(planner) if gathered.bands else None
-    solved, units_R, replica_layout = plan_units(
-        gathered.grids_R,
-        rank,
-        planner,
+    settings = plan_settings(planner)
+    cost_model = cost_model or settings.cost_model  # fitted this step (online), else the spec's
+    settings = dataclasses.replace(
+        settings,
         cost_model=cost_model,
-        exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
-        sets=gathered.sets,
-        bands=rule,
         band_scale=_band_scale(cost_model, exchange_model),
+        exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
     )
+    if not gathered.bands:  # some rank's call cannot run them
+        settings = dataclasses.replace(settings, bands=None)
+    planned = plan_step(gathered.grids_R, settings, gathered.sets)
+    solved, units_R, units_O = planned.plan, planned.units_R, planned.units_O
     call_id = next(_CALL_IDS)
     step, clock = state.begin(solved, units_R, merge_size)
-    deduplicated = 0
-    if replica_layout is not None:  # each set's rows, once instead of once per replica
-        deduplicated = sum(
-            (len(ranks) - 1) * sum(unit_rows(u) for u in units)
-            for ranks, units in zip(gathered.sets, replica_layout[1], strict=True)
-        )
-    if replica_layout is None:
+    if planned.sets is None:
         routed = functools.partial(local_routing, solved, units_R, rank, merge_size)
         route, rows = routed(), None
-        units_O, arrivals = units_R, solved.assignment[rank]
-        computed_by = _destinations(solved)
+        arrivals = solved.assignment[rank]
     else:  # the local units are the set's
-        held, units_O = replica_layout
-        sets = (solved, held, gathered.sets, units_O, rank, merge_size)
+        sets = (solved, planned.held, planned.sets, units_O, rank, merge_size)
         route, arrivals = routing_for_sets(*sets)
 
         def routed(rows_of):
             return routing_for_sets(*sets, rows_of)[0]
 
         rows = [list(units_O[s][i][:3]) for s, i in arrivals] or None
-        computed_by = _set_destinations(solved, held, gathered.sets)
     route = dataclasses.replace(
         route,
         any_units=any(units_R),
@@ -225,14 +208,13 @@ def solve_for_rank(
     # the exchange of the frame's keys and values.
     if any(is_band(u) for units in units_O for u in units):
         band_units, layout = band_layout(
-            units_O, computed_by, arrivals, rank, world_size, merge_size
+            units_O, planned.computed_by, arrivals, rank, world_size, merge_size
         )
         routing._vitbal_bands = Bands(band_units, layout.to_tensor(), group.group_name)
     else:
         routing._vitbal_bands = Bands(whole_units(rows), None, group.group_name)
-    note = None
-    if rank == 0 and parse_planner_spec(planner)[0].verbose:
-        note = describe_plan(solved, step, units_R, deduplicated)
+    note = describe_plan(planned, step) if rank == 0 and settings.config.verbose else None
+    deduplicated = planned.deduplicated_rows()
     defer(
         call_id,
         note,
@@ -255,22 +237,6 @@ def _rows_routing(route: Routing, routed, rows_of, **changes) -> torch.Tensor:
 
 # Ids of the calls planned in this process, for their status words and deferred reports.
 _CALL_IDS = itertools.count(1)
-
-
-def _destinations(plan: Plan):
-    """``(rank, index) -> the rank computing it``, reading each rank's destinations once."""
-    destinations = functools.cache(plan.destinations)
-    return lambda r, i: destinations(r)[i]
-
-
-def _set_destinations(plan: Plan, held: list[list[int]], sets):
-    """``(set, index) -> the rank computing it``: where its holder's unit goes."""
-    where: dict[tuple[int, int], int] = {}
-    for s, ranks in enumerate(sets):
-        for h in ranks:
-            for j, d in enumerate(plan.destinations(h)):
-                where[(s, held[h][j])] = d
-    return lambda s, i: where[(s, i)]
 
 
 def _band_scale(cost_model, exchange_model):
@@ -305,86 +271,3 @@ def _(
     size = routing_size(max_units(pixel_values.shape[0], merge_size), world_size, replicated)
     routing = torch.empty(size, dtype=torch.int64, device="cpu")
     return grid, routing
-
-
-def plan_units(
-    grids_R: list[list[list[int]]],
-    rank: int,
-    spec: str,
-    cost_model: CostModel | None = None,
-    exchange_seconds=None,
-    sets: list[tuple[int, ...]] | None = None,
-    bands: BandRule | None = None,
-    band_scale: tuple[float, float] | None = None,
-) -> tuple[Plan, list[list[tuple]], str | None, tuple | None]:
-    """Cost every unit of every rank and solve the plan (same result on every rank).
-
-    ``cost_model`` replaces the spec's (the online model fitted this step, ``fx_vitbal.measure``);
-    ``exchange_seconds`` goes to ``solve_plan``. The memo of unit costs lives for this call only.
-    ``sets``: replica sets (``runtime.replicas``), whose ranks hold one grid each: their units
-    are planned once (``plan.replicas.solve_for_sets``). ``bands``: the frames that bind the
-    step alone may be split (``plan.bands.solve_with_bands``), their exchange priced by
-    ``band_scale`` (``plan.bands.exchange_scale``; None: not priced).
-    Returns ``(plan, units per rank, replica layout)``. With replica sets, the units per rank
-    are the units each rank holds in the plan's layout, and the replica layout is ``(held,
-    units of each set)`` (``solve_for_sets``); else it is None. A split frame's ``Band``s
-    replace it among its owner's units.
-    """
-    config, spec_cost = parse_planner_spec(spec)
-    cost_of = unit_costs(spec_cost if cost_model is None else cost_model, bands, band_scale)
-
-    def solve(units_O):
-        costs, tokens = cost_units(units_O, cost_of)
-        if sets is None:
-            return solve_plan(costs, tokens, config=config, exchange_seconds=exchange_seconds), None
-        return solve_for_sets(costs, tokens, sets, config=config, exchange_seconds=exchange_seconds)
-
-    if sets is None:
-        units_O = [split_units(grid, config.split_frames) for grid in grids_R]
-    else:
-        units_O = [split_units(grids_R[ranks[0]], config.split_frames) for ranks in sets]
-    collective = band_scale[1] if band_scale is not None else 0.0
-    plan, held, units_O = solve_with_bands(
-        units_O,
-        cost_of,
-        solve,
-        bands,
-        num_ranks=len(grids_R),
-        min_gain=config.min_gain,
-        collective_cost=collective,
-        max_bands=config.ranks_per_node,
-        computed_by=None if sets is None else lambda p, held: _set_destinations(p, held, sets),
-    )
-    units_R, replica_layout = units_O, None
-    if sets is not None:
-        units_R, replica_layout = as_held(units_O, sets, held), (held, units_O)
-    return plan, units_R, replica_layout
-
-
-def unit_costs(
-    cost_model: CostModel, bands: BandRule | None = None, scale: tuple[float, float] | None = None
-):
-    """A unit's cost under ``cost_model``, each distinct unit costed once (grids repeat a lot,
-    and cost models are Python); a ``Band``'s is its share of its frame's, plus the bytes of
-    its exchange priced by ``scale`` (``plan.bands``)."""
-    memo: dict[tuple, float] = {}
-
-    def cost_of(unit) -> float:
-        if unit not in memo:
-            if is_band(unit):
-                frame = cost_of((1, unit.full_h, unit.w))
-                price = bands.price(unit, scale[0]) if scale is not None else 0.0
-                memo[unit] = band_cost(frame, unit) + price
-            else:
-                memo[unit] = cost_model(*unit)
-        return memo[unit]
-
-    return cost_of
-
-
-def cost_units(units_R: list[list[tuple]], cost_of) -> tuple[list[list[float]], list[list[int]]]:
-    """``(costs, tokens)`` of every rank's units for ``solve_plan``: ``cost_of`` each unit
-    (``unit_costs``), and its pixel rows."""
-    costs = [[cost_of(u) for u in units] for units in units_R]
-    tokens = [[unit_rows(u) for u in units] for units in units_R]
-    return costs, tokens

@@ -9,13 +9,12 @@ Shape suffixes: ``_R`` per rank, ``_U`` per local unit.
 """
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 
 import torch
 
-from fx_vitbal.plan.bands import unit_rows as rows_of
 from fx_vitbal.plan.units import Plan
+from fx_vitbal.plan.units import unit_rows as rows_of
 from fx_vitbal.runtime import transfer
 from fx_vitbal.runtime.rows import DTYPES
 
@@ -184,14 +183,6 @@ def routing_size(max_units: int, world_size: int, replicated: bool = False) -> i
     """Length of a packed routing tensor (``replicated``: with replica sets)."""
     extra = int(replicated)  # an int: sympy cannot add a bool to a symbolic size
     return ROUTING_HEADER + (2 + extra) * (world_size + max_units) + extra
-
-
-def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
-    """A rank's units: its grid rows, or one ``(1, h, w)`` unit per frame (a video's frames share
-    one tuple: every rank splits every rank's grid, each step)."""
-    if split_frames:
-        return [unit for t, h, w in grid for unit in itertools.repeat((1, h, w), t)]
-    return list(map(tuple, grid))
 
 
 def local_routing(

@@ -25,6 +25,7 @@ from fx_vitbal.cost.static import (
     cost_to_spec,
 )
 from fx_vitbal.plan.bands import BandRule
+from fx_vitbal.plan.step import PlanSettings
 from fx_vitbal.runtime.bands import plans_bands
 from fx_vitbal.runtime.routing import ROUTING_HEADER
 from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
@@ -74,6 +75,14 @@ def plan_key(spec: str) -> str:
     fields = json.loads(spec)
     fields["config"]["verbose"] = False
     return json.dumps(fields, sort_keys=True)
+
+
+def plan_settings(spec: str, **changes) -> PlanSettings:
+    """The ``plan.step.PlanSettings`` a planner spec stands for (``changes``: fields replaced,
+    e.g. the cost model fitted this step): its config, cost model and band rule."""
+    config, cost_model = parse_planner_spec(spec)
+    settings = PlanSettings(config=config, cost_model=cost_model, bands=band_rule_of(spec))
+    return dataclasses.replace(settings, **changes)
 
 
 def band_rule_of(spec: str) -> BandRule | None:

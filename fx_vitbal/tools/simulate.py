@@ -31,8 +31,8 @@ from fx_vitbal.cost.static import (
     choose_cost_model,
 )
 from fx_vitbal.plan.solve import solve_plan
+from fx_vitbal.plan.step import split_units
 from fx_vitbal.plan.units import Plan, imbalance
-from fx_vitbal.runtime.routing import split_units
 from fx_vitbal.tools.workloads import MIXES, sample_batches
 
 # Qwen2-VL-7B vision_config: embed_dim 1280, mlp_ratio 4, depth 32, 3*2*14*14 inputs per patch,

@@ -21,8 +21,7 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.online import OnlineFit, Unit
 from fx_vitbal.cost.static import CostModel, OnlineCost, QuadraticCost
 from fx_vitbal.plan.solve import solve_plan
-from fx_vitbal.runtime.planning import cost_units, unit_costs
-from fx_vitbal.runtime.routing import split_units
+from fx_vitbal.plan.step import cost_units, split_units, unit_costs
 from fx_vitbal.tools.simulate import QWEN2_VL_7B
 from fx_vitbal.tools.workloads import sample_batches
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan.replicas import holders, solve_for_sets
-from fx_vitbal.runtime.routing import split_units
+from fx_vitbal.plan.step import split_units
 from fx_vitbal.tools.simulate import QWEN2_VL_7B
 from fx_vitbal.tools.workloads import MIXES, sample_batches
 
