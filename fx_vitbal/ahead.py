@@ -42,14 +42,19 @@ from fx_vitbal.runtime.call import call_inputs
 from fx_vitbal.runtime.collectives import group_ranks
 from fx_vitbal.runtime.handover import PlannedBatch, batch_key
 from fx_vitbal.runtime.planning import solve_for_rank
-from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.settings import DEFAULT_CONFIG, layout_token, planner_for, replica_ranks
+from fx_vitbal.runtime.settings import (
+    DEFAULT_CONFIG,
+    BalancedCall,
+    layout_token,
+    planner_for,
+    replica_ranks,
+    runs_bands,
+)
 from fx_vitbal.runtime.vits import (
     entry_points,
     find_vit,
     is_balanced_in_place,
     unwrap_module,
-    vision_encoder_spec,
 )
 
 __all__ = ["PlannedBatch", "plan_ahead", "use_plan"]
@@ -118,30 +123,35 @@ def plan_ahead(
     )
     planner, merge = settings
     replicas = replica_ranks(group, replica_group)
-    grid, routing, solved = solve_for_rank(
-        pixel_values,
-        image_grid_thw,
-        merge,
-        planner,
-        group,
+    call = BalancedCall(
+        merge_size=merge,
+        planner=planner,
+        world_size=dist.get_world_size(group),
+        group_name=group.group_name,
         module_key=layout_token(module),
         problem=problem,
         replicas=replicas,
+        bands=runs_bands(planner),
+    )
+    grid, routing, state, solved = solve_for_rank(
+        pixel_values,
+        image_grid_thw,
+        call,
+        group,
         device_type=_step_device_type(module, pixel_values),
         # Reading pixels on a device here would wait for the step's queued work: replicas'
         # pixels are compared only from the host (``fx_vitbal.runtime.replicas``).
         check_pixels=transfer.on_host(pixel_values),
-        bands=_runs_bands(module),
     )
-    Routing.of(routing)  # parse it here, not in the step
     return PlannedBatch(
         plan=solved,
         grid=grid,
         routing=routing,
         settings=settings,
         ranks=group_ranks(group),
-        batch=batch_key(pixel_values, routing._vitbal_home_grid),  # the grid as gathered
+        batch=batch_key(pixel_values, state.home_grid),  # the grid as gathered
         replicas=replicas,
+        state=state,
     )
 
 
@@ -188,16 +198,6 @@ def _planned_module(model, vit, config) -> tuple[nn.Module, tuple[str, int], boo
     # A ViT passed itself: the dp_balance_vit_encoder calls of a compiled function take its plan.
     balanced = is_balanced_in_place(module) or plan_node is not None or module is inner
     return module, settings, balanced
-
-
-def _runs_bands(module: nn.Module) -> bool:
-    """Whether the step's call of ``module`` runs row bands (``fx_vitbal.runtime.bands``): its
-    plan may split a frame. A plan that splits, handed to a call that cannot (a compiled call
-    of a tower without their tensor form, ``BandSupport.compiled``), counts as a batch not as
-    planned, on every rank."""
-    if hasattr(module, "_vitbal_hf"):
-        return module._vitbal_hf.bands
-    return vision_encoder_spec(module).bands is not None
 
 
 def _step_device_type(module: nn.Module, pixel_values: torch.Tensor) -> str:

@@ -25,10 +25,11 @@ from fx_vitbal.runtime.call import call_inputs, input_problem, run_balanced
 from fx_vitbal.runtime.problems import PROBLEMS, describe_problem
 from fx_vitbal.runtime.settings import (
     DEFAULT_CONFIG,
+    BalancedCall,
     active_group,
     layout_token,
     planner_for,
-    splits_images,
+    runs_bands,
 )
 from fx_vitbal.runtime.vits import (
     EntryPoint,
@@ -157,9 +158,19 @@ def _balanced_call(
         embeds, window_index, deepstack = call(pixels, grid, **kwargs)
         return [embeds, *deepstack], window_index
 
-    runs_bands = splits_images(vit, planner)
+    facts = BalancedCall(
+        merge_size=merge,
+        planner=planner,
+        world_size=dist_info[1],
+        group_name=dist_info[0],
+        module_key=layout_token(vit),
+        problem=problem,
+        grad_fixed=torch.compiler.is_compiling(),
+        replicas=dist_info[2],
+        bands=runs_bands(planner),
+    )
     outputs, window_index, routing = run_balanced(
-        run, pixel_values, image_grid_thw, merge, planner, dist_info, True, vit, problem, runs_bands
+        run, pixel_values, image_grid_thw, facts, vit, grad_without_images=True
     )
     if outputs is None:  # no pixel tensor anywhere, or a problem every rank raises
         # (A compiled rank returns the plan's empty output: it keeps the op in the graph.)

@@ -77,7 +77,7 @@ def _plan(grids, split: bool = True, **config):
     exchange priced at NVLink speed on an H100 (``plan.bands``)."""
     config = {"min_band_patches": 1024, **config}
     config = fx_vitbal.BalanceConfig(split_images=split, **config)
-    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280))
+    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False))
     planned = plan_step(grids, plan_settings(spec, band_scale=exchange_scale(False)))
     return planned.plan, planned.units_R
 
@@ -427,7 +427,7 @@ def test_a_measured_exchange_prices_bands_out_when_it_is_slow():
     a fast interconnect splits the frame that binds the step, a slow one keeps it whole."""
     grids = [[[1, 128, 128]], [[1, 16, 16]]]
     config = fx_vitbal.BalanceConfig(min_band_patches=1024)
-    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280))
+    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False))
 
     def plan_with(latency, seconds_per_byte):
         scale = exchange_scale(True, latency, seconds_per_byte)
@@ -456,7 +456,7 @@ def test_the_collectives_latency_alone_keeps_a_frame_whole_when_it_outweighs_the
     whole; without latency it splits."""
     grids = [[[1, 128, 128]], [[1, 16, 16]]]
     config = fx_vitbal.BalanceConfig(min_band_patches=1024)
-    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280))
+    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False))
     rule, cost = band_rule_of(spec), _Seconds(_ARCH)
 
     def plan_with(latency):

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from hf_families import Exact, Refused, counts, installed, markdown_table  # noqa: E402
 
 import fx_vitbal  # noqa: E402
+from fx_vitbal.runtime.settings import runs_bands  # noqa: E402
 
 FAMILIES = installed(transformers.__version__)
 """The entries of the families the installed transformers has (the pinned one or a newer)."""
@@ -93,7 +94,8 @@ def _family_balanced_vs_local(rank: int, model_type: str, videos: bool, bands: b
         for b, r in zip(balanced, reference, strict=True)
     ]
     tower = next(m for m in model.modules() if hasattr(m, "_vitbal_hf"))
-    result = {"differences": differences, "moves": moves, "runs_bands": tower._vitbal_hf.bands}
+    runs = runs_bands(tower._vitbal_hf.planner)
+    result = {"differences": differences, "moves": moves, "runs_bands": runs}
     if bands:  # the same family, one frame split across the ranks
         model = zoo.build()
         batch = zoo.batch(model, *SPLIT_STEP[rank], seed=rank)

@@ -47,7 +47,7 @@ def _opcheck_all(rank: int, world: int) -> list[str]:
         utils = PLAN_CHECKS if op is torch.ops.vitbal.plan.default else DEFAULT_CHECKS
         torch.library.opcheck(op, args, test_utils=utils)  # raises on any failure
         checked.append(str(op))
-    first, second = (Routing.of(planning.plan(*plan_args)[1]) for _ in range(2))
+    first, second = (Routing.from_tensor(planning.plan(*plan_args)[1]) for _ in range(2))
     assert second.step == first.step + 1
     assert dataclasses.replace(second, step=first.step) == first
     return checked

@@ -77,7 +77,13 @@ from fx_vitbal.runtime.call import (
     run_balanced,
 )
 from fx_vitbal.runtime.problems import PROBLEMS, describe_problem
-from fx_vitbal.runtime.settings import active_group, layout_token, planner_spec_for
+from fx_vitbal.runtime.settings import (
+    BalancedCall,
+    active_group,
+    layout_token,
+    planner_spec_for,
+    runs_bands,
+)
 from fx_vitbal.runtime.vits import EntryPoint, is_vision_encoder_class, register_entry_point
 
 # Popped by transformers.vision_utils helpers; they describe the pre-balance packed batch.
@@ -105,8 +111,6 @@ class _Balance(NamedTuple):
     planner: str
     rule: HFTowerRule
     merge: int
-    bands: bool
-    """The tower runs row bands (``hf_bands``): its rule has a recipe and ``split_images``."""
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -153,7 +157,7 @@ def enable_hf_vit_balance(
     arch = architecture_cost(tower)
     planner = planner_spec_for(planned, arch, rule.frames_independent, support)
     merge = rule.merge_size(tower)
-    tower._vitbal_hf = _Balance(config, group, replica_group, planner, rule, merge, bands)
+    tower._vitbal_hf = _Balance(config, group, replica_group, planner, rule, merge)
     layout_token(tower)  # made now, so graphs traced later read it as a constant
     original = getattr(tower, "_vitbal_original_forward", tower.forward)
     tower._vitbal_original_forward = original
@@ -203,7 +207,7 @@ def _rule_of(tower: nn.Module) -> HFTowerRule:
 def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
     """The tower's forward, balanced; pixels and outputs in the tower's own format (with a
     leading batch dimension where its rule says so)."""
-    config, group, replica_group, planner, rule, merge, bands = tower._vitbal_hf
+    config, group, replica_group, planner, rule, merge = tower._vitbal_hf
     pixels = args[0] if args else kwargs.pop(_pixels_argument(original))
     grid_thw = args[1] if len(args) > 1 else kwargs.pop(rule.grid_argument)
     pending = tower.__dict__.get("_vitbal_replay")
@@ -228,7 +232,7 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         if rule.pixel_shape is not None:
             rows = rows.reshape(-1, *rule.pixel_shape(tower.config))
         extra = {}
-        if bands and split is not None:  # the tower's inputs from the plan's host copy
+        if split is not None:  # the tower's inputs from the plan's host copy (it runs bands)
             extra = hf_bands.band_kwargs(tower, rule.bands, split, rows.device)
         fed, extra[rule.grid_argument] = tower_call(rule, tower, rows, extra.pop("grid_thw", grid))
         out = original(fed, return_dict=True, **kwargs, **extra)
@@ -244,17 +248,23 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         width = 0 if not torch.compiler.is_compiling() else rule.pixel_width(tower.config)
         rows = empty_pixels(dist_info[0], width, tower.dtype)
         grid_thw = torch.zeros(0, 3, dtype=torch.long, device=rows.device)
-    bands = bands and not torch.compiler.is_compiling()
+    call = BalancedCall(
+        merge_size=merge,
+        planner=planner,
+        world_size=dist_info[1],
+        group_name=dist_info[0],
+        module_key=layout_token(tower),
+        problem=problem,
+        grad_fixed=torch.compiler.is_compiling(),
+        replicas=dist_info[2],
+        bands=runs_bands(planner),
+    )
     outputs, out, _ = run_balanced(
         run,
         rows,
         grid_thw,
-        merge,
-        planner,
-        dist_info,
-        module=tower,
-        problem=problem,
-        bands=bands,
+        call,
+        tower,
         output_rows=None if rule.output_rows is None else lambda u: rule.output_rows(*u, merge),
     )
     if problem:  # (compiled: the plan's empty output keeps the op in the graph)
@@ -276,7 +286,7 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     on ranks that have pixels, so a wrapped parent never reaches its own feature code except
     through here: the ``vitbal`` backend refuses graphs that do (an unwrapped VLM).
     """
-    config, group, _, _, rule, merge, _ = tower._vitbal_hf
+    config, group, _, _, rule, merge = tower._vitbal_hf
     active = active_group(tower, config, group) is not None
     kwargs = {**dict(zip(params[: len(args)], args, strict=True)), **kwargs}
     if not active and all(kwargs.get(key) is None for _, key, _ in modalities(rule)):

@@ -29,6 +29,7 @@ import torch
 from torch import fx, nn
 
 from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
+from fx_vitbal.runtime.settings import BalancedCall
 from fx_vitbal.runtime.vits import is_vision_encoder_class
 
 _PLAN = torch.ops.vitbal.plan.default
@@ -38,38 +39,19 @@ _SYM_SIZE = torch.ops.aten.sym_size.int
 
 
 def insert_plan_and_redistribute(
-    graph: fx.Graph,
-    pixels: fx.Node,
-    grid: fx.Node,
-    merge: int,
-    planner: str,
-    world_size: int,
-    group_name: str,
-    active: fx.Node | bool,
-    layout_token: fx.Node | int,
-    replicas: tuple[int, ...] = (),
-    bands: fx.Node | None = None,
-    problem: fx.Node | None = None,
+    graph: fx.Graph, pixels: fx.Node, grid: fx.Node, call: BalancedCall
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Add ``plan`` and ``redistribute`` at the insertion point; return the balanced pixels,
-    the balanced grid and the routing (shared by both kinds of ViT call). ``active`` (balancing
-    on for this call) is a node when the graph decides it as it runs; ``layout_token`` names the
-    ViT for its agreed output layouts (``settings.layout_token``); ``replicas``: the group ranks
-    holding this rank's batch (``runtime.replicas``), passed only when there are some;
-    ``bands``: a node saying whether the ViT call runs row bands (``runtime.bands``), passed
-    only for a ViT that can; ``problem``: a node giving the batch's ``problems.problem_code``
-    (``call.call_inputs``), raised by the plan on every rank."""
-    args = (pixels, grid, merge, planner, world_size, group_name, active, layout_token)
-    kwargs = {"problem": problem} if problem is not None else {}
-    if replicas:
-        kwargs["replicas"] = list(replicas)
-    if bands is not None:
-        kwargs["bands"] = bands
-    plan = graph.call_function(_PLAN, args, kwargs)
+    the balanced grid and the routing (shared by both kinds of ViT call). ``call``: the call's
+    facts (``settings.BalancedCall``), some of them nodes decided as the graph runs (whether
+    balancing is active, the ViT's layout token, the batch's problem, whether it runs bands)."""
+    plan = graph.call_function(_PLAN, (pixels, grid, *call.op_args()))
     grid_b = graph.call_function(operator.getitem, (plan, 0))
     routing = graph.call_function(operator.getitem, (plan, 1))
-    area = merge * merge
-    moved = graph.call_function(_REDISTRIBUTE, ([pixels], routing, area, [area], None, group_name))
+    area = call.merge_size * call.merge_size
+    moved = graph.call_function(
+        _REDISTRIBUTE, ([pixels], routing, area, [area], None, call.group_name)
+    )
     return graph.call_function(operator.getitem, (moved, 0)), grid_b, routing
 
 
@@ -88,21 +70,11 @@ def vit_subgraph_calls(gm: fx.GraphModule) -> list[fx.Node]:
     ]
 
 
-def rewrite_subgraph_call(
-    gm: fx.GraphModule,
-    node: fx.Node,
-    planner: str,
-    merge: int,
-    active: bool,
-    layout_token: int,
-    group_name: str,
-    world_size: int,
-    replicas: tuple[int, ...] = (),
-) -> None:
+def rewrite_subgraph_call(gm: fx.GraphModule, node: fx.Node, call: BalancedCall) -> None:
     """Insert plan -> redistribute before ``node`` and restore after it (see module doc).
 
-    ``active`` is decided when the backend compiles: dynamo guards the ViT's training flag, so
-    toggling it compiles another graph. ``layout_token``: the ViT's (``settings.layout_token``).
+    ``call.active`` is decided when the backend compiles: dynamo guards the ViT's training flag,
+    so toggling it compiles another graph.
 
     Raises:
         ValueError: operands or outputs the rewrite cannot place (see module doc).
@@ -121,18 +93,7 @@ def rewrite_subgraph_call(
                 "and other outputs need the FX pass on a call_module ViT"
             )
     with graph.inserting_before(node):
-        pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph,
-            pixels,
-            grid,
-            merge,
-            planner,
-            world_size,
-            group_name,
-            active,
-            layout_token,
-            replicas,
-        )
+        pixels_b, grid_b, routing = insert_plan_and_redistribute(graph, pixels, grid, call)
         sizes = {
             _symbol(pixels): graph.call_function(_SYM_SIZE, (pixels_b, 0)),
             _symbol(grid): graph.call_function(_SYM_SIZE, (grid_b, 0)),
@@ -141,7 +102,7 @@ def rewrite_subgraph_call(
     node.args = node.args[:2] + tuple(
         replaced.get(a) or sizes.get(_symbol_of_operand(a), a) for a in operands
     )
-    area = merge * merge
+    area, group_name = call.merge_size * call.merge_size, call.group_name
     pixel_rows = pixels.meta["example_value"].shape[0]
     layouts = output_block_rows([out.meta["example_value"] for out in outputs], pixel_rows, area)
     with graph.inserting_before(outputs[-1].next):  # new nodes land in creation order

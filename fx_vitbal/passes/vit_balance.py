@@ -24,23 +24,23 @@ from fx_vitbal.passes.subgraph import (
     rewrite_subgraph_call,
     vit_subgraph_calls,
 )
-from fx_vitbal.runtime.bands import bands_for_vit, plans_bands
+from fx_vitbal.runtime.bands import bands_for_vit
 from fx_vitbal.runtime.call import call_inputs
 from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
 from fx_vitbal.runtime.settings import (
-    allows_bands,
+    BalancedCall,
     group_name_and_size,
     in_balancing_mode,
     layout_token,
     planner_for,
     replica_ranks,
+    runs_bands,
 )
 from fx_vitbal.runtime.vits import (
     find_vit,
     is_balanced_in_place,
     regenerate_window_index,
     unwrap_module,
-    vision_encoder_spec,
 )
 
 log = logging.getLogger(__name__)
@@ -164,9 +164,17 @@ def apply_vit_balance_pass(
                 "(backend option 'vit') so the pass knows its merge size and cost model"
             )
         planner, merge = planner_for(vit, config)
-        active = in_balancing_mode(vit, config.when)
+        call = BalancedCall(
+            merge_size=merge,
+            planner=planner,
+            world_size=dist_info[1],
+            group_name=dist_info[0],
+            active=in_balancing_mode(vit, config.when),
+            module_key=layout_token(vit),
+            replicas=dist_info[2],
+        )
         for node in regions:
-            rewrite_subgraph_call(gm, node, planner, merge, active, layout_token(vit), *dist_info)
+            rewrite_subgraph_call(gm, node, call)
     if calls or regions:
         gm.graph.lint()
         gm.recompile()
@@ -199,9 +207,7 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
     bound = inspect.signature(unwrap_module(module).forward).bind(*node.args, **node.kwargs)
     pixels_name, grid_name = list(bound.arguments)[:2]
     pixels, grid = bound.arguments[pixels_name], bound.arguments[grid_name]
-    support = vision_encoder_spec(module).bands
-    runs_bands = support is not None and allows_bands(planner)
-    compiled = runs_bands and support.compiled
+    may_split = runs_bands(planner)  # ever (the pass runs eagerly); the graph asks each call
     with graph.inserting_before(node):
         # Decided as the graph runs: in eval mode (unless when="always") nothing is collective.
         vit = graph.get_attr(node.target)
@@ -212,28 +218,26 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
         )
         active = graph.call_function(in_balancing_mode, (vit, when))
         token = graph.call_function(layout_token, (vit,))
-        asks = graph.call_function(plans_bands, (compiled,)) if runs_bands else None
-        pixels_b, grid_b, routing = insert_plan_and_redistribute(
-            graph,
-            pixels,
-            grid,
-            merge,
-            planner,
-            world_size,
-            group_name,
-            active,
-            token,
-            replicas,
-            asks,
-            problem,
+        asks = graph.call_function(runs_bands, (planner,)) if may_split else False
+        call = BalancedCall(
+            merge_size=merge,
+            planner=planner,
+            world_size=world_size,
+            group_name=group_name,
+            active=active,
+            module_key=token,
+            problem=problem,
+            replicas=replicas,
+            bands=asks,
         )
-        if runs_bands:
-            split = (routing, grid_b, group_name, compiled)
+        pixels_b, grid_b, routing = insert_plan_and_redistribute(graph, pixels, grid, call)
+        if may_split:
+            split = (routing, grid_b, group_name, asks)
             bands = graph.call_function(bands_for_vit, split)
     bound.arguments[pixels_name] = pixels_b
     bound.arguments[grid_name] = grid_b
     node.args, node.kwargs = bound.args, bound.kwargs
-    if runs_bands:  # as Python on a step that splits a frame; compiled, its tensor form
+    if may_split:  # as Python on a step that splits a frame; compiled, its tensor form
         node.kwargs = {**node.kwargs, "vitbal_bands": bands}
 
     deep_keys = sorted(k for k in uses if len(k) == 2)

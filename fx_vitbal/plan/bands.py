@@ -63,6 +63,9 @@ class BandRule:
     """Layers that attend over the whole frame: each exchanges the bands' keys and values."""
     kv_bytes_per_patch: int
     """Bytes of one patch's keys and values in one such layer (2 x hidden x 2 bytes in bf16)."""
+    compiled: bool = False
+    """The tower runs bands under ``torch.compile`` too (``runtime.vits.BandSupport.compiled``);
+    without it a compiled call plans whole frames."""
 
     def bands(self, unit: Sequence[int], parts: int) -> list[Band]:
         """``unit`` (a frame ``(1, h, w)``) as up to ``parts`` bands of whole ``align`` rows, as

@@ -13,6 +13,7 @@ import torch
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.runtime import collectives
 from fx_vitbal.runtime.collectives import resolve_group
+from fx_vitbal.runtime.state import state_holding
 
 # A piece's source when it is a run of the local tensor rather than of what arrived.
 LOCAL = -1
@@ -37,33 +38,32 @@ class BandLayout:
     """False on a step that splits no frame (a compiled tower gathers on every step): each unit
     attends over its own rows, the result is the local tensor and no collective runs."""
 
+    step: int = 0
+    """The call it belongs to (``Routing.step``), whose state keeps this layout parsed."""
+
     def to_tensor(self) -> torch.Tensor:
         world = len(self.in_splits)
-        values = [world, len(self.send), len(self.pieces), int(self.exchange)]
+        values = [world, len(self.send), len(self.pieces), int(self.exchange), self.step]
         values += [*self.in_splits, *self.out_splits]
         values += [v for run in self.send for v in run]
         values += [v for piece in self.pieces for v in piece]
         return torch.tensor(values, dtype=torch.int64, device="cpu")
 
     @classmethod
-    def of(cls, layout: torch.Tensor) -> "BandLayout":
-        """The layout a packed tensor holds, parsed once per tensor (every layer shares it)."""
-        parsed = getattr(layout, "_vitbal_band_layout", None)
-        if parsed is None:
-            values = layout.tolist()  # a CPU tensor: no device sync
-            world, sends, pieces, exchange = values[:4]
-            body = values[4:]
-            runs = body[2 * world : 2 * world + 2 * sends]
-            parts = body[2 * world + 2 * sends : 2 * world + 2 * sends + 3 * pieces]
-            parsed = cls(
-                send=[tuple(runs[i : i + 2]) for i in range(0, len(runs), 2)],
-                in_splits=body[:world],
-                out_splits=body[world : 2 * world],
-                pieces=[tuple(parts[i : i + 3]) for i in range(0, len(parts), 3)],
-                exchange=bool(exchange),
-            )
-            layout._vitbal_band_layout = parsed
-        return parsed
+    def from_tensor(cls, layout: torch.Tensor) -> "BandLayout":
+        values = layout.tolist()  # a CPU tensor: no device sync
+        world, sends, pieces, exchange, step = values[:5]
+        body = values[5:]
+        runs = body[2 * world : 2 * world + 2 * sends]
+        parts = body[2 * world + 2 * sends : 2 * world + 2 * sends + 3 * pieces]
+        return cls(
+            send=[tuple(runs[i : i + 2]) for i in range(0, len(runs), 2)],
+            in_splits=body[:world],
+            out_splits=body[world : 2 * world],
+            pieces=[tuple(parts[i : i + 3]) for i in range(0, len(parts), 3)],
+            exchange=bool(exchange),
+            step=step,
+        )
 
     @property
     def rows(self) -> int:
@@ -75,7 +75,7 @@ class BandLayout:
 def band_gather(x: torch.Tensor, layout: torch.Tensor, group_name: str) -> torch.Tensor:
     """``Bands.gather``: the rows each local unit attends over, local rows and the other bands'
     rows arrived in one ``all_to_all`` (``BandLayout``)."""
-    plan = BandLayout.of(layout)
+    plan = band_layout_of(layout)
     if not plan.exchange:  # a step that splits nothing: every unit attends over its own rows
         return x.clone(memory_format=torch.contiguous_format)  # the layout the fake promises
     flat = x.reshape(x.shape[0], -1)
@@ -103,7 +103,7 @@ def band_scatter(
     """The adjoint of ``band_gather``: each row's gradient summed where the row came from (the
     local rows' here, in piece order; the arrived rows' sent back, then summed in send order);
     ``rows``: the local rows."""
-    plan = BandLayout.of(layout)
+    plan = band_layout_of(layout)
     if not plan.exchange:
         return grad.clone(memory_format=torch.contiguous_format)
     flat = grad.reshape(grad.shape[0], -1)
@@ -132,6 +132,15 @@ def band_scatter(
 @band_scatter.register_fake
 def _(grad, layout, group_name, rows):
     return grad.new_empty(rows, *grad.shape[1:])
+
+
+def band_layout_of(layout: torch.Tensor) -> BandLayout:
+    """``layout`` parsed: its call's parse when that call's state holds this very tensor, else
+    parsed afresh (``runtime.state``)."""
+    state = state_holding(layout)
+    if state is not None and state.band_layout is not None and state.band_layout[0] is layout:
+        return state.band_layout[1]
+    return BandLayout.from_tensor(layout)
 
 
 def _rows(flat: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:

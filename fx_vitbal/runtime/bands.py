@@ -27,6 +27,7 @@ from fx_vitbal.plan.units import is_band, unit_rows
 from fx_vitbal.runtime import transfer
 from fx_vitbal.runtime.band_exchange import LOCAL, BandLayout
 from fx_vitbal.runtime.moves import merged_ranges
+from fx_vitbal.runtime.state import route_of, state_of_routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,7 @@ class _OneProcess(Bands):
     """``Bands`` whose every band is on this process: ``gather`` is local, no collective."""
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x[a:b] for _, a, b in BandLayout.of(self.layout).pieces])
+        return torch.cat([x[a:b] for _, a, b in BandLayout.from_tensor(self.layout).pieces])
 
 
 def frame_in_bands(frame: tuple[int, int, int], parts: int) -> Bands:
@@ -130,37 +131,43 @@ def frame_in_bands(frame: tuple[int, int, int], parts: int) -> Bands:
     return _OneProcess([BandUnit(1, rows, i * rows, h, w) for i in range(parts)], layout, "")
 
 
-def plans_bands(compiled: bool) -> bool:
-    """Whether a call of a ViT that runs bands asks its plan for them: always when the call runs
-    as Python (an FX graph the pass rewrote), where its ViT takes ``Bands``; under
-    ``torch.compile`` only for a tower that runs their tensor form (``compiled``:
-    ``BandSupport.compiled``), else the plan op baked into the graph plans whole frames."""
-    return compiled or not torch.compiler.is_compiling()
-
-
 def bands_for_vit(
-    routing: torch.Tensor, grid: torch.Tensor, group_name: str, compiled: bool
+    routing: torch.Tensor, grid: torch.Tensor, group_name: str, runs: bool
 ) -> Bands | None:
-    """The ``vitbal_bands`` a ViT call gets (``Bands``): as Python, the plan's on a step that
-    splits a frame, else None; under ``torch.compile``, for a tower that runs the tensor form
-    (``compiled``), that form on every step (``vitbal::band_tables``), else None."""
+    """The ``vitbal_bands`` a call gives its ViT: None unless it ``runs`` bands
+    (``settings.runs_bands``); then as Python, the plan's (``runtime.state``) on a step that
+    splits a frame, else None; under ``torch.compile`` (a ViT that runs their tensor form) that
+    form, on every step (``vitbal::band_tables``)."""
+    if not runs:
+        return None
     if torch.compiler.is_compiling():
-        if not compiled:
-            return None
         table, layout = torch.ops.vitbal.band_tables(routing, grid)
         return Bands(None, layout, group_name, table)
-    bands = getattr(routing, "_vitbal_bands", None)
+    kept = state_of_routing(routing)
+    bands = kept.bands if kept is not None else None
     return bands if bands is not None and bands.split else None
 
 
 @torch.library.custom_op("vitbal::band_tables", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def band_tables(routing: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensor form of a step's ``Bands``: its ``unit_table`` on the grid's device and its
-    exchange's layout (``BandLayout``). A plan that splits nothing (or made none: balancing off)
-    gives whole units, read from the grid on its device, and a layout that exchanges nothing."""
-    bands = getattr(routing, "_vitbal_bands", None)
+    exchange's layout (``BandLayout``), from the call's state (``runtime.state``). A plan that
+    splits nothing (or made none: balancing off) gives whole units, read from the grid on its
+    device, and a layout that exchanges nothing.
+
+    Raises:
+        RuntimeError: the routing says the plan split a frame but its call's state is gone
+            (the bands' exchange cannot be made up: each band would attend only within itself).
+    """
+    kept = state_of_routing(routing)
+    bands = kept.bands if kept is not None else None
     if bands is not None and bands.split:
         return bands.unit_table(grid.device), bands.layout
+    if route_of(routing).split:
+        raise RuntimeError(
+            "vit dp balance: the plan split a frame into bands but its call's state is gone "
+            "(a routing tensor used after a later call of the same ViT planned?)"
+        )
     t, h, w = grid.to(torch.int64).unbind(1)
     table = torch.stack([t, h, torch.zeros_like(h), h, w], 1)
     return table, BandLayout([], [], [], [], exchange=False).to_tensor()

@@ -13,7 +13,8 @@ from fx_vitbal.runtime import collectives, ops, planning, transfer
 from fx_vitbal.runtime.bands import bands_for_vit
 from fx_vitbal.runtime.problems import DEVICE_TYPES, PROBLEMS, device_code, problem_code
 from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.settings import layout_token
+from fx_vitbal.runtime.settings import BalancedCall
+from fx_vitbal.runtime.state import route_of, state_of_routing
 from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
 
 
@@ -21,13 +22,10 @@ def run_balanced(
     run,
     pixel_values,
     image_grid_thw,
-    merge,
-    planner,
-    dist_info,
-    grad_without_images=False,
+    call: BalancedCall,
     module=None,
-    problem=0,
-    bands=False,
+    *,
+    grad_without_images=False,
     output_rows=None,
 ):
     """plan -> redistribute -> ``run(pixels, grid, bands)`` -> restore, the one balanced ViT call
@@ -35,8 +33,8 @@ def run_balanced(
 
     ``run`` returns ``(outputs, extra)``: the embeddings to move home (pre-merger or merged
     layout each) and anything else, passed back untouched. Returns ``(restored outputs, extra,
-    routing)``: the routing tensor carries the host copy of this rank's grid that the plan
-    holds (``vits.regenerate_window_index`` reads it).
+    routing)``: the routing tensor names the call's host state (``runtime.state``), which holds
+    the host copy of this rank's grid (``vits.regenerate_window_index`` reads it).
     An empty ``[0, 0]`` ``pixel_values`` (what ``None`` becomes) receives rows in the other
     ranks' layout.
 
@@ -53,16 +51,12 @@ def run_balanced(
       ``find_unused_parameters`` needs it). The choice is the caller's, the same on every rank,
       so FSDP's backward collectives stay matched. (Under ``torch.compile`` the dummy unit always
       runs with gradients: zeros.)
-    ``dist_info``: ``(group name, world size, replicas)``, as ``settings.active_group`` gives it
-    (``replicas``: the group ranks holding this rank's batch, ``runtime.replicas``; empty: none).
-    ``module``: the ViT, which names its agreed output layouts (``layouts.layout_key``) and a
-    plan made ahead for it (``runtime.handover``: it replaces the plan op's gather and solve), and
-    whose trainable parameters' gradients mark the end of its backward for the measured times
-    (``fx_vitbal.measure.clock``; eager only: compiled calls report no time). ``problem``: a
-    ``problems.PROBLEMS`` code the caller found; the plan raises it on every rank. ``bands``:
-    ``run`` can run row bands of a frame (``runtime.bands``): it gets the batch's ``Bands``
-    (``Bands.split`` on a step whose plan splits a frame), else None; under ``torch.compile``
-    (only for a tower that runs them so) their tensor form, on every step.
+    ``call``: the call's facts (``settings.BalancedCall``): its group, planner, the ViT's layout
+    token (its agreed output layouts, a plan made ahead for it), a problem the caller found (the
+    plan raises it on every rank), its replica ranks, and whether it runs bands: ``run`` then
+    gets the batch's ``Bands`` (``runtime.bands``; under ``torch.compile`` their tensor form, on
+    every step), else None. ``module``: the ViT, whose trainable parameters' gradients mark the
+    end of its backward for the measured times (``fx_vitbal.measure.clock``; eager only).
     ``output_rows``: ``unit (t, h, w) -> rows`` of every output, for a ViT whose outputs have
     other row counts than ``t*h*w`` or ``t*h*w / merge**2`` per unit (eager only): ``restore``
     then moves each unit's rows by a routing that counts them so (``planning._rows_routing``).
@@ -70,43 +64,29 @@ def run_balanced(
     Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
     never waits for the ViT (``ops.restore``).
     """
-    group_name, world_size, replicas = dist_info
-    area = merge * merge
+    area = call.merge_size * call.merge_size
     compiling = torch.compiler.is_compiling()
-    module_key = layout_token(module) if module is not None else 0
-    grid, routing = planning.plan(
-        pixel_values,
-        image_grid_thw,
-        merge,
-        planner,
-        world_size,
-        group_name,
-        True,
-        module_key,
-        problem,
-        compiling,
-        list(replicas) or None,
-        bands,
-    )
+    grid, routing = planning.plan(pixel_values, image_grid_thw, *call.op_args())
     # A problem is raised by the plan on every rank; its output keeps the op in the graph. With
     # a plan made ahead (no gather), the rank's batch counts as not planned instead: it takes
     # part in the exchange, and every rank raises in restore (``runtime.handover``).
-    if problem and (compiling or not Routing.of(routing).mismatched):
+    if call.problem and (compiling or not route_of(routing).mismatched):
         return None, grid[:0], routing
+    bands = None
     if not compiling:
-        route = Routing.of(routing)
-        run = _timed(run, getattr(routing, "_vitbal_clock", None), module)
+        route, kept = route_of(routing), state_of_routing(routing)
+        run = _timed(run, kept.clock if kept is not None else None, module)
+        bands = kept.bands if kept is not None and call.bands else None
         if not route.any_units:
             return (*_without_images(run, pixel_values, route, area, grad_without_images), routing)
         if not route.applied and pixel_values.shape[0]:  # skipped on every rank: no copies
-            return (*run(pixel_values, grid, getattr(routing, "_vitbal_bands", None)), routing)
+            return (*run(pixel_values, grid, bands), routing)
         pixel_values = _taking_part(pixel_values, route)
+    group_name = call.group_name
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
     if compiling:
-        split = bands_for_vit(routing, grid, group_name, bands)
-    else:
-        split = getattr(routing, "_vitbal_bands", None)
-    outputs, extra = run(pixels, grid, split)
+        bands = bands_for_vit(routing, grid, group_name, call.bands)
+    outputs, extra = run(pixels, grid, bands)
     check_now = ops.no_backward_will_come(outputs)
     if output_rows is not None:
         restored = _restore_rows(
@@ -121,14 +101,14 @@ def run_balanced(
 
 def _restore_rows(outputs, routing, output_rows, pixel_rows, group_name, check_now):
     """``restore`` of outputs with ``output_rows(unit)`` rows per unit: one row is one block."""
-    counted = routing._vitbal_output_routing(output_rows)
-    home = [sum(Routing.of(counted).unit_rows)] * len(outputs)
+    kept = state_of_routing(routing)
+    counted = kept.output_routing(output_rows)
+    home = [sum(route_of(counted).unit_rows)] * len(outputs)
     ones = [1] * len(outputs)
     restored = ops.restore(outputs, counted, 1, ones, home, group_name, True, check_now)
-    clock = getattr(routing, "_vitbal_clock", None)
-    if clock is not None and pixel_rows:  # per pixel row, as the exchange model prices them
+    if kept.clock is not None and pixel_rows:  # per pixel row, as the exchange model prices them
         sent = sum(o.numel() * o.element_size() for o in outputs)
-        clock.output_bytes_per_row = sent // pixel_rows
+        kept.clock.output_bytes_per_row = sent // pixel_rows
     return restored
 
 

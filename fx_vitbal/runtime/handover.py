@@ -31,6 +31,8 @@ import torch.distributed as dist
 from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime import status, transfer
 from fx_vitbal.runtime.routing import Routing, local_outputs, routing_size
+from fx_vitbal.runtime.settings import BalancedCall
+from fx_vitbal.runtime.state import StepState
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class PlannedBatch:
     replicas: tuple[int, ...] = ()
     """The group ranks holding this rank's batch it was planned with (``runtime.replicas``);
     the step must name the same."""
+    state: StepState | None = None
+    """The call's host state (``runtime.state``), registered by the step that takes the plan."""
 
 
 def batch_key(pixel_values: torch.Tensor, grid_rows: list[list[int]]) -> BatchKey:
@@ -89,21 +93,18 @@ def step_outputs(
     planned: PlannedBatch,
     pixel_values: torch.Tensor,
     grid_thw: torch.Tensor,
-    settings: tuple[str, int],
+    call: BalancedCall,
     group: dist.ProcessGroup,
     max_units: int,
-    grad_fixed: bool,
-    problem: int = 0,
-    replicas: tuple[int, ...] = (),
-    bands: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``vitbal::plan``'s outputs ``(balanced grid, routing)`` from ``planned`` (module doc).
-    ``max_units``: the routing size the op's fake kernel gives this call; ``grad_fixed``: the
-    call is compiled, so its pixels' ``requires_grad`` is not compared; ``problem``: a
-    ``problems.PROBLEMS`` code the caller found, which with no gather to carry it makes this
-    rank's batch not the one planned; ``replicas``: the step's replica ranks, which must be the
-    planned ones (else the batch counts as not planned); ``bands``: the call can run row bands
-    (a plan that splits a frame, handed to a call that cannot, counts as not planned).
+) -> tuple[torch.Tensor, torch.Tensor, StepState | None]:
+    """``vitbal::plan``'s outputs ``(balanced grid, routing)`` from ``planned`` (module doc),
+    and the call's host state to register (``runtime.state``: the planned state, re-keyed; None
+    when nothing of it applies). ``call``: the step's; its planner and merge size must be the
+    planned ones, its replicas too, and a plan that splits a frame needs a call that runs bands
+    (``call.bands``): else the batch counts as not planned. Compiled calls
+    (``call.grad_fixed``) do not compare ``requires_grad``; a ``call.problem`` with no gather to
+    carry it makes this rank's batch not the one planned. ``max_units``: the routing size the
+    op's fake kernel gives this call.
 
     Raises:
         ValueError: the planning group's ranks are not the step group's, in the same order.
@@ -114,14 +115,14 @@ def step_outputs(
             f"plan_ahead planned over ranks {list(planned.ranks)} but the ViT call's group has "
             f"ranks {list(step_ranks)}; plan over a group with the same ranks, in order"
         )
-    route = Routing.of(planned.routing)
-    split = getattr(planned.routing, "_vitbal_bands", None)
+    kept = planned.state
+    route = kept.route
     same = (
-        not problem
-        and settings == planned.settings
-        and replicas == planned.replicas
-        and (bands or split is None or not split.split)
-        and _same_shapes(planned.batch, pixel_values, grid_thw, grad_fixed)
+        not call.problem
+        and (call.planner, call.merge_size) == planned.settings
+        and call.replicas == planned.replicas
+        and (call.bands or not route.split)
+        and _same_shapes(planned.batch, pixel_values, grid_thw, call.grad_fixed)
     )
     if not route.applied:  # nothing moves anywhere: this rank's own batch, as it is
         if not same:
@@ -133,17 +134,18 @@ def step_outputs(
         local_grid, routing = local_outputs(  # with the pixel layout the ranks agreed on
             pixel_values,
             grid_thw,
-            settings[1],
+            call.merge_size,
             len(step_ranks),
             any_units=route.any_units or bool(pixel_values.shape[0]),
             row_numel=route.row_numel,
             dtype_code=route.dtype_code,
+            step=route.step,
         )
         if not same:
-            return local_grid, routing
+            return local_grid, routing, None
         # As planned: its units (frames split where they may be), and the grid's host copy.
-        routing._vitbal_home_grid = planned.batch[3]
-        return transfer.to_device(planned.grid, grid_thw.device).to(grid_thw.dtype), routing
+        local = StepState(routing, Routing.from_tensor(routing), home_grid=kept.home_grid)
+        return transfer.to_device(planned.grid, grid_thw.device).to(grid_thw.dtype), routing, local
     grid = transfer.to_device(planned.grid, grid_thw.device).to(grid_thw.dtype)
     mismatched = not same
     if same and transfer.on_host(grid_thw):
@@ -156,19 +158,19 @@ def step_outputs(
     units = max(max_units, len(route.unit_rows))  # only a batch that differs needs more
     size = routing_size(units, len(step_ranks), route.replicated)
     if not mismatched and planned.routing.numel() == size:
-        # As planned: with its clock (``measure.clock``) and the grid's host copy.
-        planned.routing._vitbal_home_grid = planned.batch[3]
-        return grid, planned.routing
+        return grid, planned.routing, kept  # as planned
     routing = route.repacked(planned.routing, mismatched=mismatched, max_units=units)
-    routing._vitbal_clock = getattr(planned.routing, "_vitbal_clock", None)
-    output_routing = getattr(planned.routing, "_vitbal_output_routing", None)
+    output_routing = kept.output_routing
     if output_routing is not None:  # ``planning._rows_routing``, as mismatched as this one
-        routing._vitbal_output_routing = functools.partial(output_routing, mismatched=mismatched)
-    if bands and split is not None:  # an exchange runs in lockstep, planned batch or not
-        routing._vitbal_bands = split
-    if not mismatched:
-        routing._vitbal_home_grid = planned.batch[3]
-    return grid, routing
+        output_routing = functools.partial(output_routing, mismatched=mismatched)
+    repacked = dataclasses.replace(
+        kept,
+        routing=routing,
+        route=Routing.from_tensor(routing),
+        home_grid=None if mismatched else kept.home_grid,
+        output_routing=output_routing,
+    )
+    return grid, routing, repacked
 
 
 def _same_shapes(batch: BatchKey, pixel_values, grid_thw, grad_fixed: bool) -> bool:

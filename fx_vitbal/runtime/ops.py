@@ -40,6 +40,7 @@ from fx_vitbal.runtime.layouts import (
 )
 from fx_vitbal.runtime.routing import Routing
 from fx_vitbal.runtime.rows import as_blocks, from_blocks, row_numel, with_dummy
+from fx_vitbal.runtime.state import clock_of, route_of
 
 
 @torch.library.custom_op("vitbal::redistribute", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
@@ -62,7 +63,7 @@ def redistribute(
     backward): first read the status words of the outputs' exchange (``runtime.status``), so
     an unsound output raises on every rank before its gradients move.
     """
-    route = Routing.of(routing)
+    route = route_of(routing)
     if check_status:
         status.check(group_name, route.step)
     if route.mismatched and out_rows is None:  # a batch not as planned: the planned sizes move
@@ -71,7 +72,7 @@ def redistribute(
         xs = [in_agreed_layout(x, route) for x in xs]
     blocks_xs = [as_blocks(x, n) for x, n in zip(xs, block_rows, strict=True)]
     if route.applied:
-        clock = getattr(routing, "_vitbal_clock", None)
+        clock = clock_of(routing)
         timed = clock is not None and clock.timing_exchange(False, xs[0].device)
         start = clock.mark() if timed else None
         group = resolve_group(group_name)
@@ -149,7 +150,7 @@ def restore(
     ``redistribute``'s outputs, so on every rank they are the rows the forward exchange already
     moved, in the layout it moved them.
     """
-    route = Routing.of(routing)
+    route = route_of(routing)
     blocks = (sum(route.recv_rows) + route.dummy_rows) // merge_area
     dummy = route.dummy_rows // merge_area
     if not route.applied:  # every rank agrees (the plan is global): nothing to send anywhere
@@ -178,7 +179,7 @@ def restore(
     moved, words_R = exchange(blocks_xs, route, merge_area, True, group, word, check_layouts)
     if words_R is not None:
         status.expect(group_name, route.step, words_R)
-        clock = getattr(routing, "_vitbal_clock", None)
+        clock = clock_of(routing)
         if clock is not None:
             clock.output_bytes_per_row = _bytes_per_pixel_row(xs, block_rows, merge_area)
         if check_now and transfer.on_host(words_R):  # on a device: the next call's read

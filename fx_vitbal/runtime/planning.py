@@ -37,7 +37,8 @@ from fx_vitbal.runtime.routing import (
     routing_size,
 )
 from fx_vitbal.runtime.rows import DTYPES
-from fx_vitbal.runtime.settings import parse_planner_spec, plan_key, plan_settings
+from fx_vitbal.runtime.settings import BalancedCall, parse_planner_spec, plan_key, plan_settings
+from fx_vitbal.runtime.state import StepState, register
 
 
 @torch.library.custom_op("vitbal::plan", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
@@ -55,22 +56,22 @@ def plan(
     replicas: list[int] | None = None,
     bands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``.
+    """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``; the
+    arguments after the grid are a ``settings.BalancedCall``'s, flat (``BalancedCall.op_args``).
 
     The balanced grid lists this rank's units in arrival order (the original grid when the plan
-    is not applied), or the dummy unit ``[1, m, m]`` when there are none. ``planner`` is
-    ``settings.planner_spec(config, cost_model)``; its fingerprint rides in the metadata, so
-    ranks with different settings all raise. ``active=False`` (balancing off for this call,
-    e.g. eval mode) gathers nothing: the local batch stays home and no collective runs in any op.
-    ``module_key`` names the ViT (its ``settings.layout_token``; 0: none) for its agreed output
-    layouts (``layouts.layout_key``) and for a plan made ahead for it, which replaces the gather
-    and the solve (``runtime.handover``); ``problem`` is a ``problems.PROBLEMS`` code the caller
-    found, raised on every rank; ``grad_fixed``: this call is compiled, so its pixels'
-    ``requires_grad`` cannot follow the other ranks'. ``replicas``: the group ranks holding this
-    rank's batch, itself included (``runtime.replicas``; None or one rank: its own set).
-    ``bands``: this call's ViT can run row bands (``runtime.bands``); the plan splits a frame
-    only if every rank's can, and the routing then carries the ``Bands`` the ViT is given.
+    is not applied), or the dummy unit ``[1, m, m]`` when there are none. The planner's
+    fingerprint rides in the metadata, so ranks with different settings all raise. An inactive
+    call (balancing off, e.g. eval mode) gathers nothing: the local batch stays home and no
+    collective runs in any op. A plan made ahead for the ViT (``module_key``) replaces the
+    gather and the solve (``runtime.handover``). The call's host state (``runtime.state``) is
+    registered under the routing's step.
     """
+    call = BalancedCall(
+        *(merge_size, planner, world_size, group_name, active, module_key, problem, grad_fixed),
+        tuple(replicas or ()),
+        bands,
+    )
     group = resolve_group(group_name)
     if dist.get_world_size(group) != world_size:
         raise ValueError(
@@ -80,57 +81,38 @@ def plan(
     if not active:
         return local_outputs(pixel_values, grid_thw, merge_size, world_size)
     status.check(group_name)  # a step whose backward never ran: its outputs' verdict first
+    owner = (module_key, group_name, dist.get_rank(group))
     planned = handover.take(module_key) if module_key else None
     if planned is not None:  # made ahead (fx_vitbal.plan_ahead): no gather, no solve
         units = max_units(pixel_values.shape[0], merge_size)
-        settings = (planner, merge_size)
-        return handover.step_outputs(
-            planned,
-            pixel_values,
-            grid_thw,
-            settings,
-            group,
-            units,
-            grad_fixed,
-            problem,
-            tuple(replicas or ()),
-            bands,
+        grid, routing, kept = handover.step_outputs(
+            planned, pixel_values, grid_thw, call, group, units
         )
-    grid, routing, _ = solve_for_rank(
-        pixel_values,
-        grid_thw,
-        merge_size,
-        planner,
-        group,
-        module_key,
-        problem,
-        grad_fixed,
-        tuple(replicas or ()),
-        bands=bands,
-    )
-    return transfer.to_device(grid, grid_thw.device), routing
+    else:
+        grid, routing, kept, _ = solve_for_rank(pixel_values, grid_thw, call, group)
+        grid = transfer.to_device(grid, grid_thw.device)
+    if kept is not None:
+        register(kept, owner)
+    return grid, routing
 
 
 def solve_for_rank(
     pixel_values: torch.Tensor,
     grid_thw: torch.Tensor,
-    merge_size: int,
-    planner: str,
+    call: BalancedCall,
     group: dist.ProcessGroup,
-    module_key: int = 0,
-    problem: int = 0,
-    grad_fixed: bool = False,
-    replicas: tuple[int, ...] = (),
+    *,
     device_type: str | None = None,
     check_pixels: bool = True,
-    bands: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+) -> tuple[torch.Tensor, torch.Tensor, StepState, Plan]:
     """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
-    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, plan)``, the
-    grid on the host (the op copies it to the device).
-    ``device_type``: where the step's ViT runs, for its autocast state (default: the pixels'
-    device); ``check_pixels``, ``bands``: as ``gather_grids`` takes them."""
+    gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, state, plan)``, the
+    grid on the host (the op copies it to the device), ``state`` the call's host state
+    (``runtime.state``), for the caller to register. ``device_type``: where the step's ViT
+    runs, for its autocast state (default: the pixels' device); ``check_pixels`` as
+    ``gather_grids`` takes it."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    merge_size, planner = call.merge_size, call.planner
     # --- measured times (fx_vitbal.measure): report an earlier call in the header, fit from
     # every rank's reports, plan with the fitted models. Ranks whose fits saw different calls
     # would plan differently: the fingerprint covers the count, so they raise together instead.
@@ -140,7 +122,7 @@ def solve_for_rank(
     fingerprint = settings_fingerprint(planner, merge_size, world_size, state.calls())
     report = state.report()
     dtype_code = DTYPES.index(pixel_values.dtype) if pixel_values.dtype in DTYPES else -1
-    key = layout_key(module_key, dtype_code, device_type or pixel_values.device.type)
+    key = layout_key(call.module_key, dtype_code, device_type or pixel_values.device.type)
     ranks = group_ranks(group)
     gathered = gather_grids(
         pixel_values,
@@ -149,19 +131,18 @@ def solve_for_rank(
         group,
         fingerprint,
         report,
-        problem=problem,
-        grad_fixed=grad_fixed,
+        problem=call.problem,
+        grad_fixed=call.grad_fixed,
         new_layout=layouts_agreed(ranks, key) is None,
-        replica_ranks=replicas,
+        replica_ranks=call.replicas,
         check_pixels=check_pixels,
-        bands=bands,
+        bands=call.bands,
     )
     measured = state.observe(gathered.reports_R)
     pixel_bytes = gathered.row_numel * DTYPES[gathered.dtype_code].itemsize
     exchange_model = state.exchange_model(pixel_bytes, gathered.pixels_need_grad)
-    cost_model = state.cost_model()
     settings = plan_settings(planner)
-    cost_model = cost_model or settings.cost_model  # fitted this step (online), else the spec's
+    cost_model = state.cost_model() or settings.cost_model  # fitted this step (online)
     settings = dataclasses.replace(
         settings,
         cost_model=cost_model,
@@ -186,6 +167,7 @@ def solve_for_rank(
             return routing_for_sets(*sets, rows_of)[0]
 
         rows = [list(units_O[s][i][:3]) for s, i in arrivals] or None
+    split = any(is_band(u) for units in units_O for u in units)
     route = dataclasses.replace(
         route,
         any_units=any(units_R),
@@ -195,24 +177,32 @@ def solve_for_rank(
         step=call_id,
         layout_key=key,
         check_layouts=gathered.check_layouts,
+        split=split,
     )
     # A plan not applied keeps every unit home: the local units (frames split where they may
     # be), which a tower fed one frame per grid row needs; or the dummy unit.
     rows = rows or balanced_grid(solved, units_R, rank, merge_size)
     grid = torch.tensor(rows, dtype=grid_thw.dtype, device="cpu")
     routing = route.to_tensor(max_units(pixel_values.shape[0], merge_size))
-    routing._vitbal_clock = clock  # eager moves and ViT calls find their clock here
-    routing._vitbal_home_grid = gathered.grids_R[rank]  # ``vits.regenerate_window_index``
-    routing._vitbal_output_routing = functools.partial(_rows_routing, route, routed)
+    kept = StepState(
+        routing,
+        route,
+        clock=clock,
+        home_grid=gathered.grids_R[rank],
+        output_routing=functools.partial(_rows_routing, route, routed),
+    )
     # The batch as the ViT gets it (``Bands``): its units, and on a step that splits a frame
     # the exchange of the frame's keys and values.
-    if any(is_band(u) for units in units_O for u in units):
+    if split:
         band_units, layout = band_layout(
             units_O, planned.computed_by, arrivals, rank, world_size, merge_size
         )
-        routing._vitbal_bands = Bands(band_units, layout.to_tensor(), group.group_name)
+        layout = dataclasses.replace(layout, step=call_id)
+        packed = layout.to_tensor()
+        kept.bands = Bands(band_units, packed, group.group_name)
+        kept.band_layout = (packed, layout)
     else:
-        routing._vitbal_bands = Bands(whole_units(rows), None, group.group_name)
+        kept.bands = Bands(whole_units(rows), None, group.group_name)
     note = describe_plan(planned, step) if rank == 0 and settings.config.verbose else None
     deduplicated = planned.deduplicated_rows()
     defer(
@@ -222,7 +212,7 @@ def solve_for_rank(
     )
     if not route.applied:  # nothing moves: the gather was the call's last collective
         publish(call_id)
-    return grid, routing, solved
+    return grid, routing, kept, solved
 
 
 def _rows_routing(route: Routing, routed, rows_of, **changes) -> torch.Tensor:

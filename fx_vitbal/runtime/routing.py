@@ -37,12 +37,15 @@ class Routing:
     ``pixels_need_grad`` says whether any rank's pixels require gradients. ``mismatched`` (set
     only by a plan-ahead step, ``fx_vitbal.ahead``) says this rank's batch is not the one planned:
     its status word then makes every rank raise (``runtime.status``). ``step`` names the call
-    for its status words; ``layout_key`` names the output layouts this call is checked against,
-    and ``check_layouts`` says whether some rank has none agreed for its key yet
-    (``layouts.layouts_agreed``): then ``restore`` gathers every rank's layouts first.
+    for its status words and its host state (``runtime.state``); ``split`` says its plan splits
+    a frame into bands (whose exchange only that state holds); ``layout_key`` names the output
+    layouts this call is checked against, and ``check_layouts`` says whether some rank has none
+    agreed for its key yet (``layouts.layouts_agreed``): then ``restore`` gathers every rank's
+    layouts first.
 
     Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
-    ``[applied | 2 * mismatched | 4 * check_layouts, num_units, world, dummy_rows, any_units,
+    ``[applied | 2 * mismatched | 4 * check_layouts | 16 * split, num_units, world, dummy_rows,
+    any_units,
     row_numel, dtype_code, pixels_need_grad, step, layout_key, send_rows_R, recv_rows_R,
     unit_rows_U, dest_U]`` (then ``set_of_R, rank, sender_U`` for replica sets, flag ``8``),
     zero-padded to ``routing_size(max_units, world, replicated)``. The padding gives
@@ -64,6 +67,7 @@ class Routing:
     step: int = 0
     layout_key: int = 0
     check_layouts: bool = False
+    split: bool = False
     set_of: list[int] = dataclasses.field(default_factory=list)
     """Replica sets only (empty otherwise, ``replicated`` False): each rank's set. The local
     units are then the set's, held by every rank of it (``runtime.replicas``)."""
@@ -81,7 +85,8 @@ class Routing:
             int(self.applied)
             | 2 * int(self.mismatched)
             | 4 * int(self.check_layouts)
-            | 8 * int(self.replicated),
+            | 8 * int(self.replicated)
+            | 16 * int(self.split),
             len(self.unit_rows),
             len(self.send_rows),
             self.dummy_rows,
@@ -110,15 +115,6 @@ class Routing:
         return dataclasses.replace(self, **changes).to_tensor(max_units)
 
     @classmethod
-    def of(cls, routing: torch.Tensor) -> "Routing":
-        """``from_tensor``, parsed once per routing tensor (every op of a step shares it)."""
-        parsed = getattr(routing, "_vitbal_routing", None)
-        if parsed is None:
-            parsed = cls.from_tensor(routing)
-            routing._vitbal_routing = parsed
-        return parsed
-
-    @classmethod
     def from_tensor(cls, routing: torch.Tensor) -> "Routing":
         values = routing.tolist()  # CPU tensor: no device sync
         flags, num_units, world, dummy_rows, any_units, row_numel, dtype_code, grad = values[:8]
@@ -132,6 +128,7 @@ class Routing:
             applied=bool(flags & 1),
             mismatched=bool(flags & 2),
             check_layouts=bool(flags & 4),
+            split=bool(flags & 16),
             send_rows=body[:world],
             recv_rows=body[world : 2 * world],
             unit_rows=body[2 * world : 2 * world + num_units],

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,6 @@ from fx_vitbal.cost.static import (
 )
 from fx_vitbal.plan.bands import BandRule
 from fx_vitbal.plan.step import PlanSettings
-from fx_vitbal.runtime.bands import plans_bands
 from fx_vitbal.runtime.routing import ROUTING_HEADER
 from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
 
@@ -91,42 +91,46 @@ def band_rule_of(spec: str) -> BandRule | None:
     return None if bands is None else BandRule(**bands)
 
 
-def splits_images(vit: nn.Module, planner: str) -> bool:
-    """Whether a call of ``vit`` planned by ``planner`` asks its plan for row bands:
-    ``split_images`` is on and the ViT runs them (the planner then has a band rule:
-    ``planner_spec_for``), and under ``torch.compile`` it runs their tensor form
-    (``BandSupport.compiled``). The planner is asked first: dynamo reads the registry of a
-    registered ViT only (torch 2.8 cannot trace the lookup's path for others)."""
-    return allows_bands(planner) and plans_bands(vision_encoder_spec(vit).bands.compiled)
+def runs_bands(planner: str) -> bool:
+    """The one answer to whether a call planned by ``planner`` runs row bands (its plan may
+    split a frame, its ViT then gets ``Bands``): the planner has a band rule (the ViT runs bands
+    and ``split_images`` is on: ``planner_spec_for``) and, under ``torch.compile``, the ViT runs
+    their tensor form (``BandRule.compiled``)."""
+    support = _band_support(planner)
+    return support == _COMPILED_TOO or (support == _EAGER and not torch.compiler.is_compiling())
+
+
+_NONE, _EAGER, _COMPILED_TOO = range(3)
 
 
 @torch.compiler.assume_constant_result
-def allows_bands(planner: str) -> bool:
-    """Whether ``planner`` (a planner spec) may split a frame into bands."""
-    return band_rule_of(planner) is not None
+def _band_support(planner: str) -> int:
+    rule = band_rule_of(planner)
+    return _NONE if rule is None else _COMPILED_TOO if rule.compiled else _EAGER
 
 
 def planner_spec_for(
     config: BalanceConfig,
     architecture: ArchitectureCost | None,
     frame_independent: bool,
-    bands: "tuple[int, int, int] | None" = None,
+    bands: "tuple[int, int, int, bool] | None" = None,
 ) -> str:
     """The planner spec of a ViT under ``config``: its cost model chosen from ``config`` and the
     ViT's architecture cost (None: unknown), frames split only if the ViT encodes them
     independently, bands only if it runs them (``bands``: its ``(align rows, exchanging layers,
-    key and value width)``, ``vits.BandSupport``) and ``config.split_images``. The one rule of
-    every path (registered ViTs, Hugging Face towers)."""
+    key and value width, compiled too)``, ``vits.BandSupport``) and ``config.split_images``.
+    The one rule of every path (registered ViTs, Hugging Face towers)."""
     cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture)
     split = config.split_frames and frame_independent
     rule = None
     if bands is not None and config.split_images:
-        align, layers, width = bands
+        align, layers, width, compiled = bands
         rule = BandRule(
             align=align,
             min_patches=config.min_band_patches,
             exchange_layers=layers,
             kv_bytes_per_patch=KV_BYTES * width,
+            compiled=compiled,
         )
     return planner_spec(dataclasses.replace(config, split_frames=split), cost_model, rule)
 
@@ -194,6 +198,45 @@ def _settings(vit: nn.Module, config: BalanceConfig) -> tuple[str, int]:
     bands = spec.bands.of(inner) if spec.bands is not None else None
     planner = planner_spec_for(config, architecture, spec.frame_independent, bands)
     return planner, spec.merge_size(vit)
+
+
+class BalancedCall(NamedTuple):
+    """The facts of one balanced ViT call besides its batch, passed whole from the entry point
+    through the runtime (a named tuple: ``torch.compile`` traces it). The ``vitbal::plan`` op
+    takes them flat (``op_args``) and rebuilds them (its schema is flat)."""
+
+    merge_size: int
+    planner: str
+    """The planner spec (``planner_spec``): config, cost model, band rule."""
+    world_size: int
+    group_name: str
+    active: bool = True
+    """Balancing is on for this call (``balancing_active``); off, nothing is collective."""
+    module_key: int = 0
+    """The ViT's ``layout_token`` (0: none): its agreed output layouts, a plan made ahead."""
+    problem: int = 0
+    """A ``problems.problem_code`` the caller found: every rank raises it."""
+    grad_fixed: bool = False
+    """The call is compiled: its pixels' ``requires_grad`` cannot follow the other ranks'."""
+    replicas: tuple[int, ...] = ()
+    """The group ranks holding this rank's batch (``replica_ranks``; empty: its own set)."""
+    bands: bool = False
+    """The call runs row bands (``runs_bands``)."""
+
+    def op_args(self) -> tuple:
+        """The ``vitbal::plan`` op's arguments after the pixels and the grid, in its order."""
+        return (
+            self.merge_size,
+            self.planner,
+            self.world_size,
+            self.group_name,
+            self.active,
+            self.module_key,
+            self.problem,
+            self.grad_fixed,
+            list(self.replicas) or None,
+            self.bands,
+        )
 
 
 def active_group(

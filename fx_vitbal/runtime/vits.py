@@ -25,6 +25,7 @@ from torch import nn
 
 from fx_vitbal.cost.static import ArchitectureCost
 from fx_vitbal.runtime import transfer
+from fx_vitbal.runtime.state import state_of_routing
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +111,10 @@ class BandSupport:
     (``unit_table`` and ``gather``; then it gets ``vitbal_bands`` on every step). Without it, a
     compiled call plans whole frames."""
 
-    def of(self, vit: nn.Module) -> tuple[int, int, int]:
-        """``(align rows, exchanging layers, width)`` of ``vit``."""
-        return tuple(
-            value(vit) if callable(value) else value
-            for value in (self.align_rows, self.exchange_layers, self.width)
-        )
+    def of(self, vit: nn.Module) -> tuple[int, int, int, bool]:
+        """``(align rows, exchanging layers, width, compiled)`` of ``vit``."""
+        numbers = (self.align_rows, self.exchange_layers, self.width)
+        return (*(value(vit) if callable(value) else value for value in numbers), self.compiled)
 
 
 _REGISTRY: dict[type, VisionEncoderSpec] = {}
@@ -235,11 +234,13 @@ def regenerate_window_index(
 ) -> torch.Tensor:
     """``vit.get_window_index(grid)`` as a tensor (some ViTs return ``(index, cu_seqlens)``).
 
-    ``routing``: the call's plan (``vitbal::plan``'s routing tensor), which holds a host copy of
-    this rank's grid when the plan was made eagerly: the index is then made from it and copied
-    to the grid's device without waiting, since towers read their grid on the host (a device
-    grid would cost a host sync every step)."""
-    host_rows = getattr(routing, "_vitbal_home_grid", None)
+    ``routing``: the call's plan (``vitbal::plan``'s routing tensor), whose call's state holds a
+    host copy of this rank's grid (``runtime.state``): the index is then made from it and
+    copied to the grid's device without waiting, since towers read their grid on the host (a
+    device grid would cost a host sync every step)."""
+    eager = routing is not None and not torch.compiler.is_compiling()  # traced: tensors only
+    kept = state_of_routing(routing) if eager else None
+    host_rows = kept.home_grid if kept is not None else None
     if host_rows is not None:
         host = torch.tensor(host_rows, dtype=grid_thw.dtype, device="cpu").view(-1, 3)
         index = unwrap_module(vit).get_window_index(host)
