@@ -131,7 +131,7 @@ def plan_ahead(
         module_key=layout_token(module),
         problem=problem,
         replicas=replicas,
-        bands=runs_bands(planner),
+        runs_bands=runs_bands(planner),
     )
     grid, routing, state, solved = solve_for_rank(
         pixel_values,

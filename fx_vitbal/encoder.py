@@ -167,7 +167,7 @@ def _balanced_call(
         problem=problem,
         grad_fixed=torch.compiler.is_compiling(),
         replicas=dist_info[2],
-        bands=runs_bands(planner),
+        runs_bands=runs_bands(planner),
     )
     outputs, window_index, routing = run_balanced(
         run, pixel_values, image_grid_thw, facts, vit, grad_without_images=True

@@ -66,7 +66,7 @@ def _one_split_call(rank: int, world: int) -> dict:
         world_size=world,
         group_name=dist.group.WORLD.group_name,
         module_key=11,
-        bands=True,
+        runs_bands=True,
     )
     balanced_grid, routing = planning.plan(pixels, grid, *call.op_args())
     kept = state.state_holding(routing)

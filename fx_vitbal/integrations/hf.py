@@ -149,9 +149,8 @@ def enable_hf_vit_balance(
     # A tower fed one frame per grid row gets its videos as frames from the plan's units (no
     # host read of the grid), so its frames are always planned as units.
     planned = dataclasses.replace(config, split_frames=True) if rule.one_frame_rows else config
-    bands = rule.bands is not None and config.split_images
     support = None
-    if bands:
+    if rule.bands is not None and config.split_images:  # it runs bands (its recipe)
         hf_bands.install(tower, rule.bands)
         support = hf_bands.band_support(tower, rule.bands, rule.dims(tower.config)[0])
     arch = architecture_cost(tower)
@@ -257,7 +256,7 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         problem=problem,
         grad_fixed=torch.compiler.is_compiling(),
         replicas=dist_info[2],
-        bands=runs_bands(planner),
+        runs_bands=runs_bands(planner),
     )
     outputs, out, _ = run_balanced(
         run,

@@ -228,7 +228,7 @@ def _rewrite(gm, node, module, planner, merge, when, group_name, world_size, rep
             module_key=token,
             problem=problem,
             replicas=replicas,
-            bands=asks,
+            runs_bands=asks,
         )
         pixels_b, grid_b, routing = insert_plan_and_redistribute(graph, pixels, grid, call)
         if may_split:

@@ -38,8 +38,8 @@ class PlanSettings:
     config: BalanceConfig
     cost_model: CostModel
     """The unit cost: the ViT's static model, or the online model fitted this step."""
-    bands: BandRule | None = None
-    """The frames that bind the step alone may be split into bands (None: never)."""
+    band_rule: BandRule | None = None
+    """The frames that bind the step alone may be split into bands by it (None: never)."""
     band_scale: tuple[float, float] | None = None
     """``(bytes per cost unit, cost of one collective)`` pricing a band's exchange
     (``plan.bands.exchange_scale``); None: not priced."""
@@ -105,7 +105,7 @@ def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple
 
 
 def unit_costs(
-    cost_model: CostModel, bands: BandRule | None = None, scale: tuple[float, float] | None = None
+    cost_model: CostModel, rule: BandRule | None = None, scale: tuple[float, float] | None = None
 ) -> Callable[[Unit], float]:
     """A unit's cost under ``cost_model``, each distinct unit costed once (grids repeat a lot,
     and cost models are Python); a ``Band``'s is its share of its frame's, plus the bytes of
@@ -116,7 +116,7 @@ def unit_costs(
         if unit not in memo:
             if is_band(unit):
                 frame = cost_of((1, unit.full_h, unit.w))
-                price = bands.price(unit, scale[0]) if scale is not None else 0.0
+                price = rule.price(unit, scale[0]) if scale is not None else 0.0
                 memo[unit] = band_cost(frame, unit) + price
             else:
                 memo[unit] = cost_model(*unit)
@@ -148,7 +148,7 @@ def plan_step(
         units_O = [split_units(grid, split) for grid in grids_R]
     else:
         units_O = [split_units(grids_R[ranks[0]], split) for ranks in sets]
-    cost_of = unit_costs(settings.cost_model, settings.bands, settings.band_scale)
+    cost_of = unit_costs(settings.cost_model, settings.band_rule, settings.band_scale)
     return solve_with_bands(units_O, cost_of, settings, len(grids_R), sets)
 
 
@@ -171,7 +171,7 @@ def solve_with_bands(
     direction). A frame whose bands all land on one rank is put back whole, and the step
     planned again (a split that moves no work would only add collectives)."""
     whole = _solve(units_O, cost_of, settings, num_ranks, sets)
-    rule, config = settings.bands, settings.config
+    rule, config = settings.band_rule, settings.config
     if rule is None or num_ranks < 2:
         return whole
     max_bands = min(num_ranks, config.ranks_per_node or num_ranks)

@@ -76,7 +76,7 @@ def run_balanced(
     if not compiling:
         route, kept = route_of(routing), state_of_routing(routing)
         run = _timed(run, kept.clock if kept is not None else None, module)
-        bands = kept.bands if kept is not None and call.bands else None
+        bands = kept.bands if kept is not None and call.runs_bands else None
         if not route.any_units:
             return (*_without_images(run, pixel_values, route, area, grad_without_images), routing)
         if not route.applied and pixel_values.shape[0]:  # skipped on every rank: no copies
@@ -85,7 +85,7 @@ def run_balanced(
     group_name = call.group_name
     (pixels,) = ops.redistribute([pixel_values], routing, area, [area], None, group_name)
     if compiling:
-        bands = bands_for_vit(routing, grid, group_name, call.bands)
+        bands = bands_for_vit(routing, grid, group_name, call.runs_bands)
     outputs, extra = run(pixels, grid, bands)
     check_now = ops.no_backward_will_come(outputs)
     if output_rows is not None:

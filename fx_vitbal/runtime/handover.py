@@ -101,7 +101,7 @@ def step_outputs(
     and the call's host state to register (``runtime.state``: the planned state, re-keyed; None
     when nothing of it applies). ``call``: the step's; its planner and merge size must be the
     planned ones, its replicas too, and a plan that splits a frame needs a call that runs bands
-    (``call.bands``): else the batch counts as not planned. Compiled calls
+    (``call.runs_bands``): else the batch counts as not planned. Compiled calls
     (``call.grad_fixed``) do not compare ``requires_grad``; a ``call.problem`` with no gather to
     carry it makes this rank's batch not the one planned. ``max_units``: the routing size the
     op's fake kernel gives this call.
@@ -121,7 +121,7 @@ def step_outputs(
         not call.problem
         and (call.planner, call.merge_size) == planned.settings
         and call.replicas == planned.replicas
-        and (call.bands or not route.split)
+        and (call.runs_bands or not route.split)
         and _same_shapes(planned.batch, pixel_values, grid_thw, call.grad_fixed)
     )
     if not route.applied:  # nothing moves anywhere: this rank's own batch, as it is

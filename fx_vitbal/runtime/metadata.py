@@ -37,7 +37,7 @@ INLINE_GRID_ROWS = 32
     _GRAD,
     _GRAD_FIXED,
     _NEW_LAYOUT,
-    _BANDS,
+    _RUNS_BANDS,
     _SHAPE,  # the pixels' dims, then their first SHAPE_DIMS sizes (for messages)
 ) = range(12)
 _SET = _SHAPE + 1 + SHAPE_DIMS  # replicas.declare's fields, then its checksum's
@@ -65,8 +65,8 @@ class Gathered:
     sets: list[tuple[int, ...]] | None = None
     """The replica sets, ranks ascending, ordered by lowest rank (``runtime.replicas``); None
     when each rank is its own."""
-    bands: bool = False
-    """Every rank's call can run bands (``fx_vitbal.runtime.bands``): the plan may split."""
+    runs_bands: bool = False
+    """Every rank's call runs bands (``settings.runs_bands``): the plan may split a frame."""
 
 
 def gather_grids(
@@ -82,7 +82,7 @@ def gather_grids(
     new_layout: bool = False,
     replica_ranks: Sequence[int] = (),
     check_pixels: bool = True,
-    bands: bool = False,
+    runs_bands: bool = False,
 ) -> Gathered:
     """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
 
@@ -94,8 +94,8 @@ def gather_grids(
     int64s, zero-padded) rides in the same header: this rank's measured times of an earlier call.
     ``problem``: a ``PROBLEMS`` code the caller found (it wins over the input's own status);
     ``grad_fixed``: this rank's pixels cannot be made to require gradients (a compiled call);
-    ``new_layout``: this rank has no output layouts agreed for the call; ``bands``: this rank's
-    call can run bands (the plan splits only if every rank's can); ``replica_ranks``: the
+    ``new_layout``: this rank has no output layouts agreed for the call; ``runs_bands``: this
+    rank's call runs bands (the plan splits only if every rank's does); ``replica_ranks``: the
     ranks of ``group`` that hold this rank's batch (``runtime.replicas``: its declaration and
     pixel checksum ride in the header; sets that do not partition the group, or whose ranks
     hold different grids or pixels, make every rank raise; ``check_pixels=False`` leaves this
@@ -141,7 +141,7 @@ def gather_grids(
         int(pixel_values.requires_grad),
         int(grad_fixed),
         int(new_layout),
-        int(bands),
+        int(runs_bands),
         *shape_fields(pixel_values),
         *replicas.declare(replica_ranks, dist.get_rank(group)),
         *sums,
@@ -170,14 +170,14 @@ def gather_grids(
     agreed = (numel, dtype_code, any(h[_GRAD] for h in headers))
     reports_R = [h[_REPORT:] for h in headers]
     check = any(h[_NEW_LAYOUT] for h in headers)
-    bands = all(h[_BANDS] for h in headers)
+    runs_bands = all(h[_RUNS_BANDS] for h in headers)
     max_rows = max(h[_NUM_ROWS] for h in headers)
     if max_rows <= INLINE_GRID_ROWS:  # the usual step: one collective, one host read
         grids_R = [
             [v[size + 3 * i : size + 3 * i + 3] for i in range(h[_NUM_ROWS])]
             for v, h in zip(values, headers, strict=True)
         ]
-        gathered = Gathered(grids_R, *agreed, reports_R, check, sets, bands)
+        gathered = Gathered(grids_R, *agreed, reports_R, check, sets, runs_bands)
         return _agreed_in_sets(gathered, headers)
     if on_device:
         padded = grid_thw.new_zeros(max_rows, 3, dtype=torch.int64)
@@ -189,7 +189,8 @@ def gather_grids(
     grids_R = _all_gather(padded.flatten(), group, world)
     grids = grids_R.view(world, max_rows, 3).tolist()
     grids_R = [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
-    return _agreed_in_sets(Gathered(grids_R, *agreed, reports_R, check, sets, bands), headers)
+    gathered = Gathered(grids_R, *agreed, reports_R, check, sets, runs_bands)
+    return _agreed_in_sets(gathered, headers)
 
 
 def _all_gather(local: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:

@@ -54,7 +54,7 @@ def plan(
     problem: int = 0,
     grad_fixed: bool = False,
     replicas: list[int] | None = None,
-    bands: bool = False,
+    runs_bands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``; the
     arguments after the grid are a ``settings.BalancedCall``'s, flat (``BalancedCall.op_args``).
@@ -70,7 +70,7 @@ def plan(
     call = BalancedCall(
         *(merge_size, planner, world_size, group_name, active, module_key, problem, grad_fixed),
         tuple(replicas or ()),
-        bands,
+        runs_bands,
     )
     group = resolve_group(group_name)
     if dist.get_world_size(group) != world_size:
@@ -136,7 +136,7 @@ def solve_for_rank(
         new_layout=layouts_agreed(ranks, key) is None,
         replica_ranks=call.replicas,
         check_pixels=check_pixels,
-        bands=call.bands,
+        runs_bands=call.runs_bands,
     )
     measured = state.observe(gathered.reports_R)
     pixel_bytes = gathered.row_numel * DTYPES[gathered.dtype_code].itemsize
@@ -149,8 +149,8 @@ def solve_for_rank(
         band_scale=_band_scale(cost_model, exchange_model),
         exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
     )
-    if not gathered.bands:  # some rank's call cannot run them
-        settings = dataclasses.replace(settings, bands=None)
+    if not gathered.runs_bands:  # some rank's call does not run them
+        settings = dataclasses.replace(settings, band_rule=None)
     planned = plan_step(gathered.grids_R, settings, gathered.sets)
     solved, units_R, units_O = planned.plan, planned.units_R, planned.units_O
     call_id = next(_CALL_IDS)
@@ -253,7 +253,7 @@ def _(
     problem=0,
     grad_fixed=False,
     replicas=None,
-    bands=False,
+    runs_bands=False,
 ):
     ctx = torch.library.get_ctx()
     grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit

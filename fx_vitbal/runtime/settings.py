@@ -81,7 +81,7 @@ def plan_settings(spec: str, **changes) -> PlanSettings:
     """The ``plan.step.PlanSettings`` a planner spec stands for (``changes``: fields replaced,
     e.g. the cost model fitted this step): its config, cost model and band rule."""
     config, cost_model = parse_planner_spec(spec)
-    settings = PlanSettings(config=config, cost_model=cost_model, bands=band_rule_of(spec))
+    settings = PlanSettings(config=config, cost_model=cost_model, band_rule=band_rule_of(spec))
     return dataclasses.replace(settings, **changes)
 
 
@@ -220,7 +220,7 @@ class BalancedCall(NamedTuple):
     """The call is compiled: its pixels' ``requires_grad`` cannot follow the other ranks'."""
     replicas: tuple[int, ...] = ()
     """The group ranks holding this rank's batch (``replica_ranks``; empty: its own set)."""
-    bands: bool = False
+    runs_bands: bool = False
     """The call runs row bands (``runs_bands``)."""
 
     def op_args(self) -> tuple:
@@ -235,7 +235,7 @@ class BalancedCall(NamedTuple):
             self.problem,
             self.grad_fixed,
             list(self.replicas) or None,
-            self.bands,
+            self.runs_bands,
         )
 
 
