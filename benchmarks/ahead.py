@@ -28,8 +28,8 @@ from torch import nn
 import fx_vitbal
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 from fx_vitbal.plan.step import plan_step
-from fx_vitbal.runtime import handover, planning
-from fx_vitbal.runtime.settings import plan_settings, planner_for
+from fx_vitbal.runtime.agree import handover, planning
+from fx_vitbal.runtime.vit.settings import plan_settings, planner_for
 from fx_vitbal.tools.models import QwenStyleViT
 from fx_vitbal.tools.workloads import sample_batches
 

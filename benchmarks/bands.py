@@ -23,7 +23,7 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan import bands
 from fx_vitbal.plan import step as planning
 from fx_vitbal.plan.units import is_band, unit_rows
-from fx_vitbal.runtime.settings import KV_BYTES, plan_settings, planner_spec_for
+from fx_vitbal.runtime.vit.settings import KV_BYTES, plan_settings, planner_spec_for
 from fx_vitbal.tools.simulate import QWEN2_VL_7B
 from fx_vitbal.tools.workloads import sample_batches, sample_grid
 

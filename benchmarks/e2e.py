@@ -31,9 +31,10 @@ import torch.multiprocessing as mp
 
 import fx_vitbal
 from fx_vitbal.plan.step import split_units
-from fx_vitbal.runtime import ops, planning
-from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.settings import parse_planner_spec, planner_for, planner_spec
+from fx_vitbal.runtime.agree import planning
+from fx_vitbal.runtime.transport import ops
+from fx_vitbal.runtime.transport.routing import Routing
+from fx_vitbal.runtime.vit.settings import parse_planner_spec, planner_for, planner_spec
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.simulate import QWEN2_VL_7B
 from fx_vitbal.tools.workloads import sample_batches

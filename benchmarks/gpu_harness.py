@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import fx_vitbal
 from fx_vitbal.passes.backend import vitbal_backend
-from fx_vitbal.runtime import ops, transfer
+from fx_vitbal.runtime.transport import ops, transfer
 from fx_vitbal.tools.models import ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 

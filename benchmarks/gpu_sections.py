@@ -9,7 +9,8 @@ What each path asserts, against the same model run unbalanced on each rank:
   within a stated tolerance on ``max |got - want| / max |want|``, printed;
 - units really moved (a passthrough also matches), counted per path from the exchanges;
 - on CUDA, the library's host syncs per step: synchronizing calls from its own lines
-  (``torch.cuda.set_sync_debug_mode("warn")``) and event waits (``runtime.transfer.wait``).
+  (``torch.cuda.set_sync_debug_mode("warn")``) and event waits
+  (``runtime.transport.transfer.wait``).
 """
 
 import copy

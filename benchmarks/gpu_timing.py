@@ -20,8 +20,8 @@ import fx_vitbal
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost import PolynomialCost, QuadraticCost
 from fx_vitbal.plan.step import plan_step
-from fx_vitbal.runtime.settings import plan_settings, planner_for
-from fx_vitbal.runtime.vits import vision_encoder_spec
+from fx_vitbal.runtime.vit.registry import vision_encoder_spec
+from fx_vitbal.runtime.vit.settings import plan_settings, planner_for
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.workloads import sample_grid
 

@@ -164,8 +164,8 @@ COLUMNS = [
 
 
 def read_as_one_rank(plan, rank: int) -> None:
-    """What a rank's step reads of the plan (``runtime.routing``): its own list and its units'
-    destinations, each made on first read. Today's planner built every rank's lists in
+    """What a rank's step reads of the plan (``runtime.transport.routing``): its own list and its
+    units' destinations, each made on first read. Today's planner built every rank's lists in
     ``solve_plan``, so its times hold them already."""
     plan.assignment[rank]
     plan.destinations(rank)

@@ -66,7 +66,7 @@ from e2e import EVEN, SKEWED, VIT, _cpu_name, _table, inputs, timed
 import fx_vitbal
 from fx_vitbal.plan.replicas import solve_for_sets
 from fx_vitbal.plan.step import split_units
-from fx_vitbal.runtime.settings import parse_planner_spec, planner_for
+from fx_vitbal.runtime.vit.settings import parse_planner_spec, planner_for
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 
 SETS = [[0, 1], [2, 3]]  # replica sets: global ranks holding the same batch

@@ -12,9 +12,10 @@ from fx_vitbal.integrations.hf_inputs import CallConvention
 from fx_vitbal.integrations.hf_towers import HFTowerRule, register_hf_tower
 from fx_vitbal.measure import BalanceStats, add_stats_callback
 from fx_vitbal.plan import Plan, solve_plan
-from fx_vitbal.runtime import ops, planning  # noqa: F401  (register the vitbal:: custom ops)
-from fx_vitbal.runtime.bands import Bands, BandUnit
-from fx_vitbal.runtime.vits import BandSupport, VisionEncoderSpec, register_vision_encoder
+from fx_vitbal.runtime.agree import planning  # noqa: F401  (register the vitbal::plan op)
+from fx_vitbal.runtime.bands.view import Bands, BandUnit
+from fx_vitbal.runtime.transport import ops  # noqa: F401  (register the vitbal:: custom ops)
+from fx_vitbal.runtime.vit.registry import BandSupport, VisionEncoderSpec, register_vision_encoder
 from fx_vitbal.tools.check import VisionEncoderReport, check_vision_encoder
 
 __all__ = [

@@ -20,11 +20,11 @@ Rules that keep the ranks in lockstep:
   step's collectives on another communicator; its ranks must be the step group's, in the same
   order (checked at the step, from group membership: the same answer on every rank).
 - The step takes the plan inside its ``vitbal::plan`` op and compares its batch with the planned
-  one without communicating (``runtime.handover``): a batch that differs makes every rank raise
-  the same ``ValueError`` before any optimizer step can use the outputs, with no collective and
-  no host read added.
-- The output-layout key of a planned call (``runtime.layouts.layout_key``: the ViT, pixel dtype,
-  autocast) is taken when it is planned: plan under the autocast state of the step.
+  one without communicating (``runtime.agree.handover``): a batch that differs makes every rank
+  raise the same ``ValueError`` before any optimizer step can use the outputs, with no collective
+  and no host read added.
+- The output-layout key of a planned call (``runtime.transport.layouts.layout_key``: the ViT,
+  pixel dtype, autocast) is taken when it is planned: plan under the autocast state of the step.
 - ``torch.compile``: the plan op's body runs eagerly in any graph, so a compiled call uses a plan
   handed over with ``use_plan`` before it, ``fullgraph=True`` included.
 """
@@ -37,24 +37,25 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.runtime import handover, transfer
+from fx_vitbal.runtime.agree import handover
+from fx_vitbal.runtime.agree.handover import PlannedBatch, batch_key
+from fx_vitbal.runtime.agree.planning import solve_for_rank
 from fx_vitbal.runtime.call import call_inputs
-from fx_vitbal.runtime.collectives import group_ranks
-from fx_vitbal.runtime.handover import PlannedBatch, batch_key
-from fx_vitbal.runtime.planning import solve_for_rank
-from fx_vitbal.runtime.settings import (
+from fx_vitbal.runtime.transport import transfer
+from fx_vitbal.runtime.transport.collectives import group_ranks
+from fx_vitbal.runtime.vit.registry import (
+    entry_points,
+    find_vit,
+    is_balanced_in_place,
+    unwrap_module,
+)
+from fx_vitbal.runtime.vit.settings import (
     DEFAULT_CONFIG,
     BalancedCall,
     layout_token,
     planner_for,
     replica_ranks,
     runs_bands,
-)
-from fx_vitbal.runtime.vits import (
-    entry_points,
-    find_vit,
-    is_balanced_in_place,
-    unwrap_module,
 )
 
 __all__ = ["PlannedBatch", "plan_ahead", "use_plan"]
@@ -140,7 +141,7 @@ def plan_ahead(
         group,
         device_type=_step_device_type(module, pixel_values),
         # Reading pixels on a device here would wait for the step's queued work: replicas'
-        # pixels are compared only from the host (``fx_vitbal.runtime.replicas``).
+        # pixels are compared only from the host (``fx_vitbal.runtime.agree.replicas``).
         check_pixels=transfer.on_host(pixel_values),
     )
     return PlannedBatch(

@@ -1,5 +1,5 @@
 """Balanced ViT calls: ``dp_balance_vit_encoder`` and in-place ``enable_vit_balance`` (the ViT
-contract is in ``fx_vitbal.runtime.vits``).
+contract is in ``fx_vitbal.runtime.vit.registry``).
 
 Composition: ``enable_vit_balance`` replaces the ``forward`` of the ViT *instance* (or of the
 wrapper around it), as LoongForge's flag does inside the model. The alternatives were weighed:
@@ -20,18 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.runtime import handover
+from fx_vitbal.runtime.agree import handover
+from fx_vitbal.runtime.agree.problems import PROBLEMS, describe_problem
 from fx_vitbal.runtime.call import call_inputs, input_problem, run_balanced
-from fx_vitbal.runtime.problems import PROBLEMS, describe_problem
-from fx_vitbal.runtime.settings import (
-    DEFAULT_CONFIG,
-    BalancedCall,
-    active_group,
-    layout_token,
-    planner_for,
-    runs_bands,
-)
-from fx_vitbal.runtime.vits import (
+from fx_vitbal.runtime.vit.registry import (
     EntryPoint,
     entry_points,
     find_vit,
@@ -39,6 +31,14 @@ from fx_vitbal.runtime.vits import (
     regenerate_window_index,
     register_entry_point,
     unwrap_module,
+)
+from fx_vitbal.runtime.vit.settings import (
+    DEFAULT_CONFIG,
+    BalancedCall,
+    active_group,
+    layout_token,
+    planner_for,
+    runs_bands,
 )
 
 

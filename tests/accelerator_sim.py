@@ -52,7 +52,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fx_vitbal
-from fx_vitbal.runtime import band_exchange, bands, collectives, ops, planning, transfer
+from fx_vitbal.runtime.agree import planning
+from fx_vitbal.runtime.bands import exchange as band_exchange
+from fx_vitbal.runtime.bands import view as bands
+from fx_vitbal.runtime.transport import collectives, ops, transfer
 
 DEVICE = torch.device("cpu", 1)
 _LIBRARY = os.path.dirname(fx_vitbal.__file__)

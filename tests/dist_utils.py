@@ -157,9 +157,9 @@ def record_moves():
     movement in eager and compiled runs alike (matching outputs alone would not: a passthrough
     also matches).
     """
-    import fx_vitbal.runtime.ops
+    import fx_vitbal.runtime.transport.ops
 
-    original = fx_vitbal.runtime.ops.exchange
+    original = fx_vitbal.runtime.transport.ops.exchange
     moves = []
 
     def recording(xs, routing, shrink, reverse, group, *args):
@@ -167,11 +167,11 @@ def record_moves():
         moves.append(sum(d != rank for d in routing.dest))
         return original(xs, routing, shrink, reverse, group, *args)
 
-    fx_vitbal.runtime.ops.exchange = recording
+    fx_vitbal.runtime.transport.ops.exchange = recording
     try:
         yield moves
     finally:
-        fx_vitbal.runtime.ops.exchange = original
+        fx_vitbal.runtime.transport.ops.exchange = original
 
 
 def phase() -> str:
@@ -181,10 +181,10 @@ def phase() -> str:
 
 @contextlib.contextmanager
 def record_collectives():
-    """Record every collective the library issues (its ``fx_vitbal.runtime.collectives`` seam), as
-    ``(phase, name, input elements of a gather or input rows of an exchange, output splits)``;
-    phase is ``forward`` or ``backward`` (inside the autograd engine)."""
-    from fx_vitbal.runtime import collectives
+    """Record every collective the library issues (its ``fx_vitbal.runtime.transport.collectives``
+    seam), as ``(phase, name, input elements of a gather or input rows of an exchange, output
+    splits)``; phase is ``forward`` or ``backward`` (inside the autograd engine)."""
+    from fx_vitbal.runtime.transport import collectives
 
     original = (collectives.all_gather, collectives.all_to_all)
     record = []

@@ -98,7 +98,8 @@ def test_every_kind_of_sync_it_claims_to_count_is_counted_once(case):
 
 
 def test_library_lines_are_counted_apart_from_the_models():
-    from fx_vitbal.runtime import metadata, transfer
+    from fx_vitbal.runtime.agree import metadata
+    from fx_vitbal.runtime.transport import transfer
 
     with simulated_accelerator() as simulation:
         device = simulation.on_accelerator(HOST.clone())

@@ -20,8 +20,8 @@ from dist_utils import (
 
 import fx_vitbal
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.runtime import handover
-from fx_vitbal.runtime.settings import layout_token
+from fx_vitbal.runtime.agree import handover
+from fx_vitbal.runtime.vit.settings import layout_token
 from fx_vitbal.tools.models import ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 

@@ -1,5 +1,5 @@
 """Row bands of one frame computed on several ranks (``fx_vitbal.plan.bands``,
-``fx_vitbal.runtime.bands``): the planner's bands cover each split frame exactly, aligned and
+``fx_vitbal.runtime.bands.view``): the planner's bands cover each split frame exactly, aligned and
 never too small, and split only where it lowers the makespan; on 2 and 4 gloo ranks every path
 that runs bands gives the unsplit run's outputs and gradients (fp32, 1e-5 relative), every rank
 issuing the same collectives, and the paths that cannot run bands plan whole frames."""
@@ -28,10 +28,10 @@ from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
 from fx_vitbal.plan.bands import Band, BandRule, exchange_scale
 from fx_vitbal.plan.step import plan_step
 from fx_vitbal.plan.units import is_band, unit_rows
-from fx_vitbal.runtime.band_exchange import LOCAL
-from fx_vitbal.runtime.bands import band_layout
-from fx_vitbal.runtime.settings import band_rule_of, plan_settings, planner_spec_for
-from fx_vitbal.runtime.vits import vision_encoder_spec
+from fx_vitbal.runtime.bands.exchange import LOCAL
+from fx_vitbal.runtime.bands.view import band_layout
+from fx_vitbal.runtime.vit.registry import vision_encoder_spec
+from fx_vitbal.runtime.vit.settings import band_rule_of, plan_settings, planner_spec_for
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 

@@ -448,8 +448,8 @@ def test_ranks_per_node_defaults_to_local_world_size_and_the_flag_overrides_it(m
 
 def test_ranks_per_node_is_in_the_planner_spec_and_fingerprint_but_node_blind_specs_are_unchanged():
     from fx_vitbal.cost import QuadraticCost
-    from fx_vitbal.runtime.metadata import settings_fingerprint
-    from fx_vitbal.runtime.settings import parse_planner_spec, planner_spec
+    from fx_vitbal.runtime.agree.metadata import settings_fingerprint
+    from fx_vitbal.runtime.vit.settings import parse_planner_spec, planner_spec
 
     specs = {
         n: planner_spec(BalanceConfig(ranks_per_node=n), QuadraticCost()) for n in (None, 4, 8)

@@ -25,7 +25,7 @@ from torch import nn
 
 import fx_vitbal
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.runtime.vits import vision_encoder_spec
+from fx_vitbal.runtime.vit.registry import vision_encoder_spec
 from fx_vitbal.tools.models import ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
@@ -272,7 +272,7 @@ def test_an_unregistered_vit_gets_whole_rows_l2_costs_and_its_own_merge_size():
     spec = vision_encoder_spec(vit)
     assert spec.frame_independent is False and spec.cost_model is None
     assert spec.merge_size(vit) == M
-    planner, merge = fx_vitbal.runtime.settings.planner_for(vit, fx_vitbal.BalanceConfig())
+    planner, merge = fx_vitbal.runtime.vit.settings.planner_for(vit, fx_vitbal.BalanceConfig())
     assert merge == M and '\\"kind\\": \\"quadratic\\"' in planner
     del vit.spatial_merge_size
     with pytest.raises(TypeError, match="SeedViT has no spatial_merge_size attribute"):

@@ -7,7 +7,12 @@ from dist_utils import assert_units_moved, record_moves, run_ranks
 from torch import nn
 
 import fx_vitbal
-from fx_vitbal.runtime.vits import UNDECLARED, VisionEncoderSpec, find_vit, vision_encoder_spec
+from fx_vitbal.runtime.vit.registry import (
+    UNDECLARED,
+    VisionEncoderSpec,
+    find_vit,
+    vision_encoder_spec,
+)
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
@@ -119,7 +124,7 @@ def test_an_undeclared_vit_is_logged_once_with_what_registering_would_unlock(cap
     vit = _Undeclared()
     with caplog.at_level("WARNING", logger="fx_vitbal.encoder"):
         for _ in range(3):
-            fx_vitbal.runtime.settings.planner_for(vit, fx_vitbal.BalanceConfig())
+            fx_vitbal.runtime.vit.settings.planner_for(vit, fx_vitbal.BalanceConfig())
     messages = [r.getMessage() for r in caplog.records if "_Undeclared" in r.getMessage()]
     assert len(messages) == 1
     assert "frame splitting and the architecture cost model" in messages[0]
@@ -127,7 +132,7 @@ def test_an_undeclared_vit_is_logged_once_with_what_registering_would_unlock(cap
 
 def test_world_size_without_a_process_group_warns_once_and_runs_plain(caplog, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    fx_vitbal.runtime.settings._warn_if_launched_without_group.cache_clear()
+    fx_vitbal.runtime.vit.settings._warn_if_launched_without_group.cache_clear()
     vit = QwenStyleViT(ViTConfig())
     _, pixels, grid = make_inputs([[1, 4, 4]], in_dim=24)
     with caplog.at_level("WARNING", logger="fx_vitbal.encoder"):
@@ -136,4 +141,4 @@ def test_world_size_without_a_process_group_warns_once_and_runs_plain(caplog, mo
     warnings = [r.getMessage() for r in caplog.records if "WORLD_SIZE=4" in r.getMessage()]
     assert len(warnings) == 1 and "init_process_group" in warnings[0]
     torch.testing.assert_close(got[0], vit(pixels, grid)[0], rtol=0, atol=0)
-    fx_vitbal.runtime.settings._warn_if_launched_without_group.cache_clear()
+    fx_vitbal.runtime.vit.settings._warn_if_launched_without_group.cache_clear()

@@ -13,8 +13,8 @@ from dist_utils import record_collectives, run_ranks
 
 import fx_vitbal
 from fx_vitbal.plan.units import Plan
-from fx_vitbal.runtime.exchange import exchange
-from fx_vitbal.runtime.routing import Routing, local_routing
+from fx_vitbal.runtime.transport.exchange import exchange
+from fx_vitbal.runtime.transport.routing import Routing, local_routing
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import make_inputs
 

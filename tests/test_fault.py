@@ -10,9 +10,10 @@ non-reentrant checkpoint; not around a bad step on torch < 2.13, see
 ``dist_utils.CHECKPOINT_CLOSES_ON_ERROR``) and whether the eager call runs under
 ``torch.compile``. Each step must equal the unbalanced run on every rank (outputs, deepstack,
 window_index, all-reduced parameter gradients) or raise the same ``ValueError`` on every rank; a
-good step follows every bad one. The collectives each rank issues (``runtime.collectives``: kind,
-phase, gather size) must be the same sequence on every rank in every step. Pixels do not require
-gradients, as in training (``test_lockstep.py`` covers ranks whose pixels differ in that).
+good step follows every bad one. The collectives each rank issues
+(``runtime.transport.collectives``: kind, phase, gather size) must be the same sequence on every
+rank in every step. Pixels do not require gradients, as in training (``test_lockstep.py`` covers
+ranks whose pixels differ in that).
 
 Every collective runs on a group with a short timeout, so a rank left waiting fails the test
 within seconds instead of stalling CI.
@@ -30,7 +31,7 @@ from dist_utils import CHECKPOINT_CLOSES_ON_ERROR, record_collectives, record_mo
 from torch.utils.checkpoint import checkpoint
 
 import fx_vitbal
-import fx_vitbal.runtime.planning
+import fx_vitbal.runtime.agree.planning
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import make_inputs
 
@@ -111,18 +112,18 @@ def _corrupt(pixels: torch.Tensor, grid: torch.Tensor, case: str):
 @contextlib.contextmanager
 def _count_plans():
     """Count ``vitbal::plan`` calls (the metadata gather): an eval step must make none."""
-    original = fx_vitbal.runtime.planning.plan
+    original = fx_vitbal.runtime.agree.planning.plan
     calls = []
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    fx_vitbal.runtime.planning.plan = counting
+    fx_vitbal.runtime.agree.planning.plan = counting
     try:
         yield calls
     finally:
-        fx_vitbal.runtime.planning.plan = original
+        fx_vitbal.runtime.agree.planning.plan = original
 
 
 def _loss(outputs: list[torch.Tensor]) -> torch.Tensor:
@@ -248,7 +249,7 @@ def _random_steps(rank: int, world: int) -> list[dict]:
     vit = QwenStyleViT(VIT).double()
     # The first vitbal op imports torch._dynamo (seconds on a busy machine): do it before any
     # short-timeout collective, with a plan that gathers nothing.
-    fx_vitbal.runtime.planning.plan(
+    fx_vitbal.runtime.agree.planning.plan(
         torch.zeros(4, 4), torch.tensor([[1, 2, 2]]), 2, "", world, group.group_name, False
     )
     dist.barrier()

@@ -25,8 +25,8 @@ from fx_vitbal.config import BalanceConfig  # noqa: E402
 from fx_vitbal.cost import ArchitectureCost  # noqa: E402
 from fx_vitbal.integrations import hf, hf_towers  # noqa: E402
 from fx_vitbal.integrations.hf_inputs import STRIPS  # noqa: E402
-from fx_vitbal.runtime import vits  # noqa: E402
-from fx_vitbal.runtime.settings import parse_planner_spec  # noqa: E402
+from fx_vitbal.runtime.vit import registry as vits  # noqa: E402
+from fx_vitbal.runtime.vit.settings import parse_planner_spec  # noqa: E402
 
 TEXT = dict(
     vocab_size=128,

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from hf_families import Exact, Refused, counts, installed, markdown_table  # noqa: E402
 
 import fx_vitbal  # noqa: E402
-from fx_vitbal.runtime.settings import runs_bands  # noqa: E402
+from fx_vitbal.runtime.vit.settings import runs_bands  # noqa: E402
 
 FAMILIES = installed(transformers.__version__)
 """The entries of the families the installed transformers has (the pinned one or a newer)."""

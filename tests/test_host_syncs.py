@@ -12,8 +12,8 @@ from dist_utils import UNBACKED_BATCH_SIZES, fullgraph_capture, run_ranks
 
 import fx_vitbal
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.runtime.collectives import exchange_device, meta_device
-from fx_vitbal.runtime.metadata import INLINE_GRID_ROWS
+from fx_vitbal.runtime.agree.metadata import INLINE_GRID_ROWS
+from fx_vitbal.runtime.transport.collectives import exchange_device, meta_device
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 

@@ -20,8 +20,8 @@ from fx_vitbal.measure.clock import watch_parameters
 from fx_vitbal.measure.measurements import reset
 from fx_vitbal.measure.stats import add_stats_callback
 from fx_vitbal.plan.solve import MAKESPAN_SLACK, solve_plan, worth_moving
-from fx_vitbal.runtime.metadata import settings_fingerprint
-from fx_vitbal.runtime.settings import planner_spec
+from fx_vitbal.runtime.agree.metadata import settings_fingerprint
+from fx_vitbal.runtime.vit.settings import planner_spec
 
 PER_UNIT_SECONDS = 0.003
 
@@ -122,19 +122,19 @@ def _three_runs(rank: int, world: int) -> dict:
     architecture = _train(RegisteredOverheadViT(), config, 14, rank)
     # A slow interconnect: every all_to_all takes 60 ms longer than its bytes need.
     reset()
-    original = fx_vitbal.runtime.ops.exchange
+    original = fx_vitbal.runtime.transport.ops.exchange
 
     def slow(*args, **kwargs):
         _busy(0.06)
         return original(*args, **kwargs)
 
-    fx_vitbal.runtime.ops.exchange = slow
+    fx_vitbal.runtime.transport.ops.exchange = slow
     try:
         torch.manual_seed(0)
         config = fx_vitbal.BalanceConfig(cost_model="online", **uncapped)
         slow_stats = _train(OverheadViT(), config, 12, rank)
     finally:
-        fx_vitbal.runtime.ops.exchange = original
+        fx_vitbal.runtime.transport.ops.exchange = original
     return {
         "online": _summary(online),
         "architecture": _summary(architecture),

@@ -1,7 +1,7 @@
-"""The four moves of a step with replica sets (``runtime.moves``), on random sets and plans, each
-rank's ``all_to_all`` simulated in one process: pixels reach the computing ranks, outputs every
-rank of their set in place, output gradients come back summed over the set, pixel gradients
-go to one rank of the set each. Without sets, the moves are the exchange's of old."""
+"""The four moves of a step with replica sets (``runtime.transport.moves``), on random sets and
+plans, each rank's ``all_to_all`` simulated in one process: pixels reach the computing ranks,
+outputs every rank of their set in place, output gradients come back summed over the set, pixel
+gradients go to one rank of the set each. Without sets, the moves are the exchange's of old."""
 
 import torch
 from hypothesis import given, settings
@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan.replicas import solve_for_sets
 from fx_vitbal.plan.units import Plan
-from fx_vitbal.runtime.exchange import _cat_rows, _home_order, _summed
-from fx_vitbal.runtime.moves import move_of
-from fx_vitbal.runtime.replicas import routing_for_sets
-from fx_vitbal.runtime.routing import Routing, local_routing
+from fx_vitbal.runtime.agree.replicas import routing_for_sets
+from fx_vitbal.runtime.transport.exchange import _cat_rows, _home_order, _summed
+from fx_vitbal.runtime.transport.moves import move_of
+from fx_vitbal.runtime.transport.routing import Routing, local_routing
 
 
 def _simulate(routings, xs, outputs: bool, reverse: bool) -> list[torch.Tensor]:

@@ -7,9 +7,10 @@ from dist_utils import run_ranks
 
 import fx_vitbal
 from fx_vitbal.cost import QuadraticCost
-from fx_vitbal.runtime import ops, planning
-from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.settings import planner_spec
+from fx_vitbal.runtime.agree import planning
+from fx_vitbal.runtime.transport import ops
+from fx_vitbal.runtime.transport.routing import Routing
+from fx_vitbal.runtime.vit.settings import planner_spec
 
 DEFAULT_CHECKS = torch.library._OPCHECK_DEFAULT_UTILS
 PLAN_CHECKS = tuple(u for u in DEFAULT_CHECKS if u != "test_aot_dispatch_dynamic")

@@ -55,24 +55,24 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     getitem_10 = call_inputs[0]
     getitem_11 = call_inputs[1]
     getitem_12 = call_inputs[2];  call_inputs = None
-    in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
-    layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
-    runs_bands = fx_vitbal_runtime_settings_runs_bands('{"bands": {"align": 2, "compiled": true, "exchange_layers": 2, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}')
+    in_balancing_mode = fx_vitbal_runtime_vit_settings_in_balancing_mode(visual_1, 'training')
+    layout_token = fx_vitbal_runtime_vit_settings_layout_token(visual_1);  visual_1 = None
+    runs_bands = fx_vitbal_runtime_vit_settings_runs_bands('{"bands": {"align": 2, "compiled": true, "exchange_layers": 2, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}')
     plan_default = torch.ops.vitbal.plan.default(getitem_10, getitem_11, 2, '{"bands": {"align": 2, "compiled": true, "exchange_layers": 2, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, getitem_12, False, None, runs_bands);  getitem_11 = in_balancing_mode = layout_token = getitem_12 = None
     getitem_13 = plan_default[0]
     getitem_14 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([getitem_10], getitem_14, 4, [4], None, '0')
     getitem_15 = redistribute_default[0];  redistribute_default = None
-    bands_for_vit = fx_vitbal_runtime_bands_bands_for_vit(getitem_14, getitem_13, '0', runs_bands);  runs_bands = None
+    bands_for_vit = fx_vitbal_runtime_bands_view_bands_for_vit(getitem_14, getitem_13, '0', runs_bands);  runs_bands = None
     visual = self.visual(getitem_15, getitem_13, vitbal_bands = bands_for_vit);  getitem_13 = bands_for_vit = None
     getitem_16 = visual[0]
     getitem_17 = visual[2];  visual = None
     getitem_18 = getitem_17[0];  getitem_17 = None
     size = getitem_15.size(0);  getitem_15 = None
-    output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_16, getitem_18], size, 4);  size = None
+    output_block_rows = fx_vitbal_runtime_transport_ops_output_block_rows([getitem_16, getitem_18], size, 4);  size = None
     size_1 = getitem_10.size(0);  getitem_10 = None
-    home_rows = fx_vitbal_runtime_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
-    no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_16, getitem_18])
+    home_rows = fx_vitbal_runtime_transport_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
+    no_backward_will_come = fx_vitbal_runtime_transport_ops_no_backward_will_come([getitem_16, getitem_18])
     restore_default = torch.ops.vitbal.restore.default([getitem_16, getitem_18], getitem_14, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_16 = getitem_18 = getitem_14 = output_block_rows = home_rows = no_backward_will_come = None""",
         )
 
@@ -102,22 +102,22 @@ def forward(self, input_ids : torch.Tensor, pixel_values : torch.Tensor, image_g
     getitem_10 = call_inputs[0]
     getitem_11 = call_inputs[1]
     getitem_12 = call_inputs[2];  call_inputs = None
-    in_balancing_mode = fx_vitbal_runtime_settings_in_balancing_mode(visual_1, 'training')
-    layout_token = fx_vitbal_runtime_settings_layout_token(visual_1);  visual_1 = None
-    runs_bands = fx_vitbal_runtime_settings_runs_bands('{"bands": {"align": 4, "compiled": true, "exchange_layers": 1, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}')
+    in_balancing_mode = fx_vitbal_runtime_vit_settings_in_balancing_mode(visual_1, 'training')
+    layout_token = fx_vitbal_runtime_vit_settings_layout_token(visual_1);  visual_1 = None
+    runs_bands = fx_vitbal_runtime_vit_settings_runs_bands('{"bands": {"align": 4, "compiled": true, "exchange_layers": 1, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}')
     plan_default = torch.ops.vitbal.plan.default(getitem_10, getitem_11, 2, '{"bands": {"align": 4, "compiled": true, "exchange_layers": 1, "kv_bytes_per_patch": 128, "min_patches": 1024}, "config": {"cost_coeffs": null, "cost_model": "quadratic", "enabled": true, "max_iters": 20, "max_len_ratio": null, "min_band_patches": 1024, "min_gain": 0.02, "skip_rule": "no-gain", "split_frames": true, "split_images": true, "strategy": "min-move", "tolerance": 0.05, "trigger_threshold": 0.2, "verbose": false, "when": "training"}, "cost": "{\\\\"kind\\\\": \\\\"quadratic\\\\"}", "routing": 10}', 2, '0', in_balancing_mode, layout_token, getitem_12, False, None, runs_bands);  in_balancing_mode = layout_token = getitem_12 = None
     getitem_13 = plan_default[0]
     getitem_14 = plan_default[1];  plan_default = None
     redistribute_default = torch.ops.vitbal.redistribute.default([getitem_10], getitem_14, 4, [4], None, '0')
     getitem_15 = redistribute_default[0];  redistribute_default = None
-    bands_for_vit = fx_vitbal_runtime_bands_bands_for_vit(getitem_14, getitem_13, '0', runs_bands);  runs_bands = None
+    bands_for_vit = fx_vitbal_runtime_bands_view_bands_for_vit(getitem_14, getitem_13, '0', runs_bands);  runs_bands = None
     visual = self.visual(getitem_15, getitem_13, vitbal_bands = bands_for_vit);  getitem_13 = bands_for_vit = None
     getitem_16 = visual[0];  visual = None
     size = getitem_15.size(0);  getitem_15 = None
-    output_block_rows = fx_vitbal_runtime_ops_output_block_rows([getitem_16], size, 4);  size = None
+    output_block_rows = fx_vitbal_runtime_transport_ops_output_block_rows([getitem_16], size, 4);  size = None
     size_1 = getitem_10.size(0);  getitem_10 = None
-    home_rows = fx_vitbal_runtime_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
-    no_backward_will_come = fx_vitbal_runtime_ops_no_backward_will_come([getitem_16])
+    home_rows = fx_vitbal_runtime_transport_ops_home_rows(output_block_rows, size_1, 4);  size_1 = None
+    no_backward_will_come = fx_vitbal_runtime_transport_ops_no_backward_will_come([getitem_16])
     restore_default = torch.ops.vitbal.restore.default([getitem_16], getitem_14, 4, output_block_rows, home_rows, '0', True, no_backward_will_come);  getitem_16 = output_block_rows = home_rows = no_backward_will_come = None
     getitem_17 = restore_default[0];  restore_default = None
     visual_2 = self.visual""",

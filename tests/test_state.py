@@ -1,16 +1,17 @@
-"""A call's host state lives in one registry keyed by its step (``runtime.state``): found through
-the step any copy of its tensors carries, released by the next call of the same ViT and group,
-never carried on a tensor as a Python attribute."""
+"""A call's host state lives in one registry keyed by its step (``runtime.transport.state``): found
+through the step any copy of its tensors carries, released by the next call of the same ViT and
+group, never carried on a tensor as a Python attribute."""
 
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 
 import fx_vitbal
-from fx_vitbal.runtime import planning, state
-from fx_vitbal.runtime.bands import band_tables
-from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.settings import BalancedCall, planner_for
+from fx_vitbal.runtime.agree import planning
+from fx_vitbal.runtime.bands.view import band_tables
+from fx_vitbal.runtime.transport import state
+from fx_vitbal.runtime.transport.routing import Routing
+from fx_vitbal.runtime.vit.settings import BalancedCall, planner_for
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import make_inputs
 

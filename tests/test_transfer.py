@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dist_utils import assert_units_moved, record_moves, run_ranks
 
 import fx_vitbal
-from fx_vitbal.runtime import transfer
+from fx_vitbal.runtime.transport import transfer
 from fx_vitbal.tools.models import ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fx_vitbal
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.runtime.vits import find_vit, unwrap_module
+from fx_vitbal.runtime.vit.registry import find_vit, unwrap_module
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel
 

@@ -69,22 +69,22 @@ from fx_vitbal.integrations.hf_towers import (
     known_tower_names,
     refuse_parents,
 )
-from fx_vitbal.runtime import collectives
+from fx_vitbal.runtime.agree.problems import PROBLEMS, describe_problem
 from fx_vitbal.runtime.call import (
     empty_pixels,
     group_device_types,
     input_problem,
     run_balanced,
 )
-from fx_vitbal.runtime.problems import PROBLEMS, describe_problem
-from fx_vitbal.runtime.settings import (
+from fx_vitbal.runtime.transport import collectives
+from fx_vitbal.runtime.vit.registry import EntryPoint, is_vision_encoder_class, register_entry_point
+from fx_vitbal.runtime.vit.settings import (
     BalancedCall,
     active_group,
     layout_token,
     planner_spec_for,
     runs_bands,
 )
-from fx_vitbal.runtime.vits import EntryPoint, is_vision_encoder_class, register_entry_point
 
 # Popped by transformers.vision_utils helpers; they describe the pre-balance packed batch.
 PRECOMPUTED_KWARGS = (

@@ -8,7 +8,7 @@ config's attribute: ``set_attn_implementation`` would look for a hub kernel). A 
 "flash" makes each attention layer call it once, with the whole batch and its
 ``cu_seq_lens_q/k``; it computes exactly what the tower's own implementation (kept on each
 attention module) computes, segment by segment or in one varlen call, so a step without bands
-is unchanged. On a step with bands (``fx_vitbal.runtime.bands``) the tower is called with the
+is unchanged. On a step with bands (``fx_vitbal.runtime.bands.view``) the tower is called with the
 band recipe's kwargs: positions (and Qwen3-VL's interpolated position embedding) of each band's
 whole frame, sliced to its rows; segments, windows (Qwen2.5-VL: a band starts at a whole window)
 and lengths of the balanced batch; GLM-4V's per-segment image shapes of the whole frame; and
@@ -23,8 +23,8 @@ import math
 import torch
 from torch import nn
 
-from fx_vitbal.runtime import transfer
-from fx_vitbal.runtime.bands import Bands
+from fx_vitbal.runtime.bands.view import Bands
+from fx_vitbal.runtime.transport import transfer
 
 ATTENTION = "vitbal_flash"
 RECIPES = ("qwen2", "qwen2_5", "qwen3", "glm")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fx_vitbal.runtime.problems import PROBLEMS
+from fx_vitbal.runtime.agree.problems import PROBLEMS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

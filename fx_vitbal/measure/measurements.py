@@ -38,7 +38,8 @@ Unit = tuple[int, int, int]
 HISTORY = 8
 """Steps whose computed units are kept: a report for an older step is dropped."""
 # This rank's report of an earlier call, as it rides in the metadata header
-# (``runtime.metadata``): [step, ViT ns, exchange ns, exchange bytes, output bytes per pixel row].
+# (``runtime.agree.metadata``): [step, ViT ns, exchange ns, exchange bytes, output bytes per pixel
+# row].
 REPORT_FIELDS = 5
 
 
@@ -205,7 +206,7 @@ _STATES_LOCK = threading.Lock()
 def measurements_for(
     group_name: str, planner: str, cost_model: Callable[[], CostModel]
 ) -> Measurements:
-    """The state of the ViT planned with ``planner`` (``runtime.settings.planner_spec``) on
+    """The state of the ViT planned with ``planner`` (``runtime.vit.settings.planner_spec``) on
     ``group_name``, created on first use with the spec's ``cost_model()``."""
     key = (group_name, planner)
     with _STATES_LOCK:

@@ -30,7 +30,7 @@ from torch import fx
 from fx_vitbal import _compat
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.passes.vit_balance import apply_vit_balance_pass
-from fx_vitbal.runtime.vits import entry_points, registered_vision_encoders
+from fx_vitbal.runtime.vit.registry import entry_points, registered_vision_encoders
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ def _refuse_unbalanced_vit(gm: fx.GraphModule) -> None:
 
     Nodes are attributed by their stack traces: a frame's own module never appears in its module
     stack. The wrappers run the ViT from their entry points' files (``fx_vitbal/encoder.py``,
-    ``integrations/hf.py``: ``runtime.vits.entry_points``), so a node with such a frame and none
-    of those files was never wrapped. (ViTs nobody registered cannot
+    ``integrations/hf.py``: ``runtime.vit.registry.entry_points``), so a node with such a frame and
+    none of those files was never wrapped. (ViTs nobody registered cannot
     be recognized, and are not refused.) A ViT that breaks its own graph (windows read on the
     host, a band exchange without ``fullgraph``) is run between graphs by its balanced caller,
     and dynamo compiles its ``forward`` as a frame of its own, with no caller in the traces: it

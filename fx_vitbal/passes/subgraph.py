@@ -28,9 +28,9 @@ import operator
 import torch
 from torch import fx, nn
 
-from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
-from fx_vitbal.runtime.settings import BalancedCall
-from fx_vitbal.runtime.vits import is_vision_encoder_class
+from fx_vitbal.runtime.transport.ops import home_rows, no_backward_will_come, output_block_rows
+from fx_vitbal.runtime.vit.registry import is_vision_encoder_class
+from fx_vitbal.runtime.vit.settings import BalancedCall
 
 _PLAN = torch.ops.vitbal.plan.default
 _REDISTRIBUTE = torch.ops.vitbal.redistribute.default

@@ -24,10 +24,16 @@ from fx_vitbal.passes.subgraph import (
     rewrite_subgraph_call,
     vit_subgraph_calls,
 )
-from fx_vitbal.runtime.bands import bands_for_vit
+from fx_vitbal.runtime.bands.view import bands_for_vit
 from fx_vitbal.runtime.call import call_inputs
-from fx_vitbal.runtime.ops import home_rows, no_backward_will_come, output_block_rows
-from fx_vitbal.runtime.settings import (
+from fx_vitbal.runtime.transport.ops import home_rows, no_backward_will_come, output_block_rows
+from fx_vitbal.runtime.vit.registry import (
+    find_vit,
+    is_balanced_in_place,
+    regenerate_window_index,
+    unwrap_module,
+)
+from fx_vitbal.runtime.vit.settings import (
     BalancedCall,
     group_name_and_size,
     in_balancing_mode,
@@ -35,12 +41,6 @@ from fx_vitbal.runtime.settings import (
     planner_for,
     replica_ranks,
     runs_bands,
-)
-from fx_vitbal.runtime.vits import (
-    find_vit,
-    is_balanced_in_place,
-    regenerate_window_index,
-    unwrap_module,
 )
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ rank out of memory. A *band* (``Band``) is a run of whole rows of one frame, sta
 multiple of the tower's alignment (its merge rows, or its window rows where it has windowed
 layers, so that every window stays whole); each band is computed on a rank of its own, and in the
 tower's full-attention layers the band ranks exchange keys and values so every band attends over
-the whole frame (``fx_vitbal.runtime.bands``).
+the whole frame (``fx_vitbal.runtime.bands.view``).
 
 To the planner a band is one more unit, with its rows and its cost: the frame's cost shared by
 rows (a band of ``n`` of the frame's ``N`` rows attends from ``n`` queries to ``N`` keys, so its
@@ -51,8 +51,8 @@ class Band(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BandRule:
-    """What a tower that can run bands says about them (``fx_vitbal.runtime.vits``), with the
-    caller's limits; every rank plans with the same one (it is in the planner spec)."""
+    """What a tower that can run bands says about them (``fx_vitbal.runtime.vit.registry``), with
+    the caller's limits; every rank plans with the same one (it is in the planner spec)."""
 
     align: int
     """Patch rows a band starts at a multiple of: the merge size, or the window height in patch
@@ -64,8 +64,9 @@ class BandRule:
     kv_bytes_per_patch: int
     """Bytes of one patch's keys and values in one such layer (2 x hidden x 2 bytes in bf16)."""
     compiled: bool = False
-    """The tower runs bands under ``torch.compile`` too (``runtime.vits.BandSupport.compiled``);
-    without it a compiled call plans whole frames."""
+    """The tower runs bands under ``torch.compile`` too
+    (``runtime.vit.registry.BandSupport.compiled``); without it a compiled call plans whole
+    frames."""
 
     def bands(self, unit: Sequence[int], parts: int) -> list[Band]:
         """``unit`` (a frame ``(1, h, w)``) as up to ``parts`` bands of whole ``align`` rows, as

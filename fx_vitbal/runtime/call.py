@@ -9,13 +9,14 @@ import torch
 from torch import nn
 
 from fx_vitbal.measure import clock as step_clock
-from fx_vitbal.runtime import collectives, ops, planning, transfer
-from fx_vitbal.runtime.bands import bands_for_vit
-from fx_vitbal.runtime.problems import DEVICE_TYPES, PROBLEMS, device_code, problem_code
-from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.settings import BalancedCall
-from fx_vitbal.runtime.state import route_of, state_of_routing
-from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
+from fx_vitbal.runtime.agree import planning
+from fx_vitbal.runtime.agree.problems import DEVICE_TYPES, PROBLEMS, device_code, problem_code
+from fx_vitbal.runtime.bands.view import bands_for_vit
+from fx_vitbal.runtime.transport import collectives, ops, transfer
+from fx_vitbal.runtime.transport.routing import Routing
+from fx_vitbal.runtime.transport.state import route_of, state_of_routing
+from fx_vitbal.runtime.vit.registry import unwrap_module, vision_encoder_spec
+from fx_vitbal.runtime.vit.settings import BalancedCall
 
 
 def run_balanced(
@@ -33,8 +34,8 @@ def run_balanced(
 
     ``run`` returns ``(outputs, extra)``: the embeddings to move home (pre-merger or merged
     layout each) and anything else, passed back untouched. Returns ``(restored outputs, extra,
-    routing)``: the routing tensor names the call's host state (``runtime.state``), which holds
-    the host copy of this rank's grid (``vits.regenerate_window_index`` reads it).
+    routing)``: the routing tensor names the call's host state (``runtime.transport.state``), which
+    holds the host copy of this rank's grid (``vits.regenerate_window_index`` reads it).
     An empty ``[0, 0]`` ``pixel_values`` (what ``None`` becomes) receives rows in the other
     ranks' layout.
 
@@ -54,8 +55,8 @@ def run_balanced(
     ``call``: the call's facts (``settings.BalancedCall``): its group, planner, the ViT's layout
     token (its agreed output layouts, a plan made ahead for it), a problem the caller found (the
     plan raises it on every rank), its replica ranks, and whether it runs bands: ``run`` then
-    gets the batch's ``Bands`` (``runtime.bands``; under ``torch.compile`` their tensor form, on
-    every step), else None. ``module``: the ViT, whose trainable parameters' gradients mark the
+    gets the batch's ``Bands`` (``runtime.bands.view``; under ``torch.compile`` their tensor form,
+    on every step), else None. ``module``: the ViT, whose trainable parameters' gradients mark the
     end of its backward for the measured times (``fx_vitbal.measure.clock``; eager only).
     ``output_rows``: ``unit (t, h, w) -> rows`` of every output, for a ViT whose outputs have
     other row counts than ``t*h*w`` or ``t*h*w / merge**2`` per unit (eager only): ``restore``
@@ -69,7 +70,7 @@ def run_balanced(
     grid, routing = planning.plan(pixel_values, image_grid_thw, *call.op_args())
     # A problem is raised by the plan on every rank; its output keeps the op in the graph. With
     # a plan made ahead (no gather), the rank's batch counts as not planned instead: it takes
-    # part in the exchange, and every rank raises in restore (``runtime.handover``).
+    # part in the exchange, and every rank raises in restore (``runtime.agree.handover``).
     if call.problem and (compiling or not route_of(routing).mismatched):
         return None, grid[:0], routing
     bands = None

@@ -18,8 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from fx_vitbal.integrations import hf_bands
-from fx_vitbal.runtime.bands import frame_in_bands
-from fx_vitbal.runtime.vits import regenerate_window_index, unwrap_module, vision_encoder_spec
+from fx_vitbal.runtime.bands.view import frame_in_bands
+from fx_vitbal.runtime.vit.registry import (
+    regenerate_window_index,
+    unwrap_module,
+    vision_encoder_spec,
+)
 from fx_vitbal.tools.plain_call import hf_rule, plain_call
 
 

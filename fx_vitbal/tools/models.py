@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from fx_vitbal.cost.static import ArchitectureCost
-from fx_vitbal.runtime.vits import BandSupport, register_vision_encoder
+from fx_vitbal.runtime.vit.registry import BandSupport, register_vision_encoder
 from fx_vitbal.tools.attention import Segments, attend, attend_bands, segments_of
 
 __all__ = ["QwenStyleViT", "ViTConfig"]
@@ -170,7 +170,7 @@ class _VisionBlock(PreNormBlock):
         self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments, bands=None
     ) -> Tensor:
         """``bands``: ``(Bands, per frame (query rows, key rows))`` in a layer attending over
-        whole frames on a step with bands (``fx_vitbal.runtime.bands``)."""
+        whole frames on a step with bands (``fx_vitbal.runtime.bands.view``)."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin

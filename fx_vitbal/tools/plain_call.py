@@ -9,8 +9,8 @@ from fx_vitbal.integrations import hf_bands
 from fx_vitbal.integrations.hf import is_hf_model
 from fx_vitbal.integrations.hf_outputs import restored_rows
 from fx_vitbal.integrations.hf_towers import HFTowerRule, hf_tower_rule
-from fx_vitbal.runtime.bands import Bands
-from fx_vitbal.runtime.vits import plain_forward, unwrap_module
+from fx_vitbal.runtime.bands.view import Bands
+from fx_vitbal.runtime.vit.registry import plain_forward, unwrap_module
 
 
 def hf_rule(vit: nn.Module) -> HFTowerRule | None:

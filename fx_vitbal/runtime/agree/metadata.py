@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fx_vitbal.measure.measurements import REPORT_FIELDS
-from fx_vitbal.runtime import collectives, replicas, transfer
-from fx_vitbal.runtime.problems import SHAPE_DIMS, describe, shape_fields
-from fx_vitbal.runtime.rows import DTYPES, row_numel
+from fx_vitbal.runtime.agree import replicas
+from fx_vitbal.runtime.agree.problems import SHAPE_DIMS, describe, shape_fields
+from fx_vitbal.runtime.transport import collectives, transfer
+from fx_vitbal.runtime.transport.rows import DTYPES, row_numel
 
 # Grid rows that ride in the metadata header; ranks with more need a second gather.
 INLINE_GRID_ROWS = 32
@@ -63,7 +64,7 @@ class Gathered:
     check_layouts: bool = False
     """Some rank has no output layouts agreed for this call's key (``layouts_agreed``)."""
     sets: list[tuple[int, ...]] | None = None
-    """The replica sets, ranks ascending, ordered by lowest rank (``runtime.replicas``); None
+    """The replica sets, ranks ascending, ordered by lowest rank (``runtime.agree.replicas``); None
     when each rank is its own."""
     runs_bands: bool = False
     """Every rank's call runs bands (``settings.runs_bands``): the plan may split a frame."""
@@ -96,7 +97,7 @@ def gather_grids(
     ``grad_fixed``: this rank's pixels cannot be made to require gradients (a compiled call);
     ``new_layout``: this rank has no output layouts agreed for the call; ``runs_bands``: this
     rank's call runs bands (the plan splits only if every rank's does); ``replica_ranks``: the
-    ranks of ``group`` that hold this rank's batch (``runtime.replicas``: its declaration and
+    ranks of ``group`` that hold this rank's batch (``runtime.agree.replicas``: its declaration and
     pixel checksum ride in the header; sets that do not partition the group, or whose ranks
     hold different grids or pixels, make every rank raise; ``check_pixels=False`` leaves this
     rank's pixels out of the comparison: ``fx_vitbal.plan_ahead`` with pixels it cannot read

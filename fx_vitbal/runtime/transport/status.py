@@ -21,7 +21,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from fx_vitbal.runtime.transfer import HostCopy
+from fx_vitbal.runtime.transport.transfer import HostCopy
 
 OK, ROWS, LAYOUT, COUNT, NOT_AS_PLANNED = range(5)
 
@@ -58,7 +58,7 @@ def expect(group_name: str, step: int, words_R: torch.Tensor) -> None:
 
 def flag_not_as_planned(group_name: str, step: int, differs: torch.Tensor) -> None:
     """Keep a device boolean saying whether call ``step``'s batch is not the one planned ahead
-    for it (``runtime.handover``), for its ``restore`` to fold into the status word."""
+    for it (``runtime.agree.handover``), for its ``restore`` to fold into the status word."""
     with _LOCK:
         _FLAGS[(_key(group_name), step)] = differs
 

@@ -18,7 +18,7 @@ import torch
 from fx_vitbal.plan.replicas import set_of_ranks
 from fx_vitbal.plan.units import Plan
 from fx_vitbal.plan.units import unit_rows as rows_of
-from fx_vitbal.runtime.routing import Routing
+from fx_vitbal.runtime.transport.routing import Routing
 
 # Header fields of a rank's declaration (``declare``) and of its pixels' checksum.
 DECLARED_FIELDS = 3

@@ -10,7 +10,7 @@ hold, so a copy of a tensor (a compiler's) finds the same state, and a tensor wi
 parsed afresh; nothing rides on a tensor as a Python attribute.
 
 [Note: step state lifetime] A state is registered by its call's plan (``vitbal::plan``; a plan
-made ahead keeps its own until the call it was made for takes it, ``runtime.handover``), and
+made ahead keeps its own until the call it was made for takes it, ``runtime.agree.handover``), and
 lives until the next call of the same ViT on the same group and rank registers its own: after
 its forward, the backward's exchanges have read its clock and any checkpoint recompute has run
 its band exchange. A reader that finds none parses the tensor it holds (the same numbers) and
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from fx_vitbal.runtime.routing import Routing
+from fx_vitbal.runtime.transport.routing import Routing
 
 
 @dataclasses.dataclass(eq=False)
@@ -42,9 +42,10 @@ class StepState:
     """``rows_of -> routing`` counting each unit's output rows by ``rows_of``
     (``call.run_balanced``'s ``output_rows``)."""
     bands: object | None = None
-    """The ``runtime.bands.Bands`` the ViT is given (a split frame's exchange, or whole units)."""
+    """The ``runtime.bands.view.Bands`` the ViT is given (a split frame's exchange, or whole
+    units)."""
     band_layout: tuple[torch.Tensor, object] | None = None
-    """The bands' packed exchange layout and its parse (``runtime.band_exchange.BandLayout``)."""
+    """The bands' packed exchange layout and its parse (``runtime.bands.exchange.BandLayout``)."""
 
 
 # States by step, and the newest step of each (ViT, group, rank): ranks that are threads of one

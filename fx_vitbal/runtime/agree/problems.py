@@ -1,13 +1,13 @@
 """What can be wrong with a rank's input, as numbers that ride in the metadata header (a status
 and two arguments, the pixels' shape), and the message every rank raises for each: the same
-text on every rank, made from gathered numbers only (``fx_vitbal.runtime.metadata``).
+text on every rank, made from gathered numbers only (``fx_vitbal.runtime.agree.metadata``).
 """
 
 from collections.abc import Sequence
 
 import torch
 
-from fx_vitbal.runtime.rows import DTYPES
+from fx_vitbal.runtime.transport.rows import DTYPES
 
 # The pixels' dims and first sizes ride in the header (``shape_fields``), for messages.
 SHAPE_DIMS = 4

@@ -29,18 +29,18 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.measure.stats import publish
-from fx_vitbal.runtime import status, transfer
-from fx_vitbal.runtime.collectives import group_ranks, resolve_group
-from fx_vitbal.runtime.exchange import exchange
-from fx_vitbal.runtime.layouts import (
+from fx_vitbal.runtime.transport import status, transfer
+from fx_vitbal.runtime.transport.collectives import group_ranks, resolve_group
+from fx_vitbal.runtime.transport.exchange import exchange
+from fx_vitbal.runtime.transport.layouts import (
     agree_layouts,
     as_agreed,
     check_output_layouts,
     layouts_agreed,
 )
-from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.rows import as_blocks, from_blocks, row_numel, with_dummy
-from fx_vitbal.runtime.state import clock_of, route_of
+from fx_vitbal.runtime.transport.routing import Routing
+from fx_vitbal.runtime.transport.rows import as_blocks, from_blocks, row_numel, with_dummy
+from fx_vitbal.runtime.transport.state import clock_of, route_of
 
 
 @torch.library.custom_op("vitbal::redistribute", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
@@ -60,8 +60,8 @@ def redistribute(
     merged outputs). ``out_rows`` (each result's rows) is only known in backward graphs (the
     forward's input rows); otherwise the result has a fresh data-dependent size of at least one
     block (every rank computes at least the dummy unit). ``check_status`` (``restore``'s
-    backward): first read the status words of the outputs' exchange (``runtime.status``), so
-    an unsound output raises on every rank before its gradients move.
+    backward): first read the status words of the outputs' exchange (``runtime.transport.status``),
+    so an unsound output raises on every rank before its gradients move.
     """
     route = route_of(routing)
     if check_status:
@@ -143,9 +143,9 @@ def restore(
     whose layouts the ranks have not agreed on (``Routing.check_layouts``), one small gather
     checks them first. Otherwise nothing waits: each rank compares its outputs with the agreed
     layouts on the host, sends zeros of those sizes if they differ, and its status word rides
-    in the same exchange (``runtime.status``); the words are read in this op's backward, or at
-    its end with ``check_now`` when no backward will come and they are on the host (on a device
-    the next call reads them: ``no_backward_will_come``). ``redistribute``'s backward passes
+    in the same exchange (``runtime.transport.status``); the words are read in this op's backward,
+    or at its end with ``check_now`` when no backward will come and they are on the host (on a
+    device the next call reads them: ``no_backward_will_come``). ``redistribute``'s backward passes
     ``check_layouts=False``: autograd gives the gradients the shapes and dtypes of
     ``redistribute``'s outputs, so on every rank they are the rows the forward exchange already
     moved, in the layout it moved them.

@@ -22,7 +22,7 @@ both sides of every move agree on.
 import dataclasses
 import itertools
 
-from fx_vitbal.runtime.routing import Routing
+from fx_vitbal.runtime.transport.routing import Routing
 
 
 @dataclasses.dataclass(frozen=True)

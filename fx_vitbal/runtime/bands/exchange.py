@@ -2,7 +2,7 @@
 (``vitbal::band_gather``, and its adjoint ``vitbal::band_scatter``), laid out by ``BandLayout``.
 
 Each is one ``all_to_all`` over the balancing group, issued by every rank in the same layers in
-the same order (``fx_vitbal.runtime.bands`` says why); on a step that splits nothing (the
+the same order (``fx_vitbal.runtime.bands.view`` says why); on a step that splits nothing (the
 layout's ``exchange`` is False: a compiled tower gathers on every step) neither runs one.
 """
 
@@ -11,9 +11,9 @@ import dataclasses
 import torch
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
-from fx_vitbal.runtime import collectives
-from fx_vitbal.runtime.collectives import resolve_group
-from fx_vitbal.runtime.state import state_holding
+from fx_vitbal.runtime.transport import collectives
+from fx_vitbal.runtime.transport.collectives import resolve_group
+from fx_vitbal.runtime.transport.state import state_holding
 
 # A piece's source when it is a run of the local tensor rather than of what arrived.
 LOCAL = -1
@@ -136,7 +136,7 @@ def _(grad, layout, group_name, rows):
 
 def band_layout_of(layout: torch.Tensor) -> BandLayout:
     """``layout`` parsed: its call's parse when that call's state holds this very tensor, else
-    parsed afresh (``runtime.state``)."""
+    parsed afresh (``runtime.transport.state``)."""
     state = state_holding(layout)
     if state is not None and state.band_layout is not None and state.band_layout[0] is layout:
         return state.band_layout[1]

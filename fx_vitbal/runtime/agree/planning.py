@@ -1,6 +1,6 @@
 """The ``vitbal::plan`` custom op and its body: gather every rank's metadata, cost the units,
-solve the plan, and give this rank its balanced grid and routing (``fx_vitbal.runtime.ops``
-states the conventions every ``vitbal`` op keeps).
+solve the plan, and give this rank its balanced grid and routing
+(``fx_vitbal.runtime.transport.ops`` states the conventions every ``vitbal`` op keeps).
 
 The measured times attach here, at fixed points (``fx_vitbal.measure``): this rank's report
 rides in the gathered header, every rank's reports feed the fits before the solve, the call's
@@ -22,13 +22,14 @@ from fx_vitbal.measure.stats import defer, publish
 from fx_vitbal.plan.bands import exchange_scale
 from fx_vitbal.plan.step import describe_plan, plan_step
 from fx_vitbal.plan.units import Plan, is_band
-from fx_vitbal.runtime import handover, status, transfer
-from fx_vitbal.runtime.bands import Bands, band_layout, whole_units
-from fx_vitbal.runtime.collectives import group_ranks, resolve_group
-from fx_vitbal.runtime.layouts import layout_key, layouts_agreed
-from fx_vitbal.runtime.metadata import gather_grids, settings_fingerprint
-from fx_vitbal.runtime.replicas import routing_for_sets
-from fx_vitbal.runtime.routing import (
+from fx_vitbal.runtime.agree import handover
+from fx_vitbal.runtime.agree.metadata import gather_grids, settings_fingerprint
+from fx_vitbal.runtime.agree.replicas import routing_for_sets
+from fx_vitbal.runtime.bands.view import Bands, band_layout, whole_units
+from fx_vitbal.runtime.transport import status, transfer
+from fx_vitbal.runtime.transport.collectives import group_ranks, resolve_group
+from fx_vitbal.runtime.transport.layouts import layout_key, layouts_agreed
+from fx_vitbal.runtime.transport.routing import (
     Routing,
     balanced_grid,
     local_outputs,
@@ -36,9 +37,9 @@ from fx_vitbal.runtime.routing import (
     max_units,
     routing_size,
 )
-from fx_vitbal.runtime.rows import DTYPES
-from fx_vitbal.runtime.settings import BalancedCall, parse_planner_spec, plan_key, plan_settings
-from fx_vitbal.runtime.state import StepState, register
+from fx_vitbal.runtime.transport.rows import DTYPES
+from fx_vitbal.runtime.transport.state import StepState, register
+from fx_vitbal.runtime.vit.settings import BalancedCall, parse_planner_spec, plan_key, plan_settings
 
 
 @torch.library.custom_op("vitbal::plan", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
@@ -64,8 +65,8 @@ def plan(
     fingerprint rides in the metadata, so ranks with different settings all raise. An inactive
     call (balancing off, e.g. eval mode) gathers nothing: the local batch stays home and no
     collective runs in any op. A plan made ahead for the ViT (``module_key``) replaces the
-    gather and the solve (``runtime.handover``). The call's host state (``runtime.state``) is
-    registered under the routing's step.
+    gather and the solve (``runtime.agree.handover``). The call's host state
+    (``runtime.transport.state``) is registered under the routing's step.
     """
     call = BalancedCall(
         *(merge_size, planner, world_size, group_name, active, module_key, problem, grad_fixed),
@@ -108,7 +109,7 @@ def solve_for_rank(
     """The body of an active ``plan``, also run ahead of the step by ``fx_vitbal.plan_ahead``:
     gather (``metadata.gather_grids``) and solve; ``(balanced grid, routing, state, plan)``, the
     grid on the host (the op copies it to the device), ``state`` the call's host state
-    (``runtime.state``), for the caller to register. ``device_type``: where the step's ViT
+    (``runtime.transport.state``), for the caller to register. ``device_type``: where the step's ViT
     runs, for its autocast state (default: the pixels' device); ``check_pixels`` as
     ``gather_grids`` takes it."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)

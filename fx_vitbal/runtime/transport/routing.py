@@ -15,8 +15,8 @@ import torch
 
 from fx_vitbal.plan.units import Plan
 from fx_vitbal.plan.units import unit_rows as rows_of
-from fx_vitbal.runtime import transfer
-from fx_vitbal.runtime.rows import DTYPES
+from fx_vitbal.runtime.transport import transfer
+from fx_vitbal.runtime.transport.rows import DTYPES
 
 # Values before the per-rank and per-unit parts of a packed routing tensor (see Routing).
 ROUTING_HEADER = 10
@@ -36,11 +36,11 @@ class Routing:
     that passed a pixel tensor (0: none did), so a rank that passed None can still receive rows;
     ``pixels_need_grad`` says whether any rank's pixels require gradients. ``mismatched`` (set
     only by a plan-ahead step, ``fx_vitbal.ahead``) says this rank's batch is not the one planned:
-    its status word then makes every rank raise (``runtime.status``). ``step`` names the call
-    for its status words and its host state (``runtime.state``); ``split`` says its plan splits
-    a frame into bands (whose exchange only that state holds); ``layout_key`` names the output
-    layouts this call is checked against, and ``check_layouts`` says whether some rank has none
-    agreed for its key yet (``layouts.layouts_agreed``): then ``restore`` gathers every rank's
+    its status word then makes every rank raise (``runtime.transport.status``). ``step`` names the
+    call for its status words and its host state (``runtime.transport.state``); ``split`` says its
+    plan splits a frame into bands (whose exchange only that state holds); ``layout_key`` names the
+    output layouts this call is checked against, and ``check_layouts`` says whether some rank has
+    none agreed for its key yet (``layouts.layouts_agreed``): then ``restore`` gathers every rank's
     layouts first.
 
     Packed into one int64 CPU tensor so it can flow through custom ops and compiled graphs:
@@ -70,7 +70,7 @@ class Routing:
     split: bool = False
     set_of: list[int] = dataclasses.field(default_factory=list)
     """Replica sets only (empty otherwise, ``replicated`` False): each rank's set. The local
-    units are then the set's, held by every rank of it (``runtime.replicas``)."""
+    units are then the set's, held by every rank of it (``runtime.agree.replicas``)."""
     sender: list[int] = dataclasses.field(default_factory=list)
     """Replica sets only: the rank that sends each local unit's pixels to ``dest``, the rank
     computing it (``dest`` itself when that is in the set: it has the pixels)."""

@@ -27,8 +27,8 @@ from fx_vitbal.cost.static import (
 )
 from fx_vitbal.plan.bands import BandRule
 from fx_vitbal.plan.step import PlanSettings
-from fx_vitbal.runtime.routing import ROUTING_HEADER
-from fx_vitbal.runtime.vits import unwrap_module, vision_encoder_spec
+from fx_vitbal.runtime.transport.routing import ROUTING_HEADER
+from fx_vitbal.runtime.vit.registry import unwrap_module, vision_encoder_spec
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def replica_ranks(
     """The ranks of ``group`` (default WORLD) that hold this rank's batch, as ranks in
     ``group`` (ascending; -1 for a rank outside it): ``replica_group``'s, a process group or
     its global ranks. Empty for None: each rank is its own set. The ranks are checked by the
-    plan, on every rank alike (``runtime.replicas``), not here: a wrong group must raise the
+    plan, on every rank alike (``runtime.agree.replicas``), not here: a wrong group must raise the
     same error everywhere."""
     if replica_group is None:
         return ()

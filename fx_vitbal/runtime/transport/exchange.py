@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from fx_vitbal.runtime import collectives, transfer
-from fx_vitbal.runtime.moves import move_of
-from fx_vitbal.runtime.routing import Routing
-from fx_vitbal.runtime.rows import row_numel
+from fx_vitbal.runtime.transport import collectives, transfer
+from fx_vitbal.runtime.transport.moves import move_of
+from fx_vitbal.runtime.transport.routing import Routing
+from fx_vitbal.runtime.transport.rows import row_numel
 
 
 def exchange(
@@ -37,8 +37,8 @@ def exchange(
     from slices of what arrived. Only slices are copied, into the one buffer each side needs
     (and, with replica sets, the output gradients' sums).
 
-    ``status_word`` (``fx_vitbal.runtime.status``: int64s) rides to every rank inside the first
-    exchange, after each destination's rows; returns ``(moved tensors, every rank's words)``
+    ``status_word`` (``fx_vitbal.runtime.transport.status``: int64s) rides to every rank inside the
+    first exchange, after each destination's rows; returns ``(moved tensors, every rank's words)``
     (``[world, len(status_word)]`` int64 on the rows' device, or None without a word).
     """
     move = move_of(routing, shrink, outputs, reverse)

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fx_vitbal.cost.static import ArchitectureCost
-from fx_vitbal.runtime import transfer
-from fx_vitbal.runtime.state import state_of_routing
+from fx_vitbal.runtime.transport import transfer
+from fx_vitbal.runtime.transport.state import state_of_routing
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def regenerate_window_index(
     """``vit.get_window_index(grid)`` as a tensor (some ViTs return ``(index, cu_seqlens)``).
 
     ``routing``: the call's plan (``vitbal::plan``'s routing tensor), whose call's state holds a
-    host copy of this rank's grid (``runtime.state``): the index is then made from it and
+    host copy of this rank's grid (``runtime.transport.state``): the index is then made from it and
     copied to the grid's device without waiting, since towers read their grid on the host (a
     device grid would cost a host sync every step)."""
     eager = routing is not None and not torch.compiler.is_compiling()  # traced: tensors only

@@ -13,9 +13,9 @@ and ``requires_grad``, the grid's values) and the settings (planner, merge size)
 planned. A rank whose batch differs still takes part in the exchange with the planned sizes
 (``redistribute`` sends zeros of the planned shape in place of pixels that do not fit) and its
 routing is flagged, or, for a grid on the device, a device flag is compared there; the flag
-rides in the rank's status word inside the outputs' exchange (``runtime.status``), so every
-rank raises the same ``ValueError`` in ``restore``'s backward (or at the end of ``restore`` when
-no backward will come). No collective and no host read are added for it. When the plan moves
+rides in the rank's status word inside the outputs' exchange (``runtime.transport.status``), so
+every rank raises the same ``ValueError`` in ``restore``'s backward (or at the end of ``restore``
+when no backward will come). No collective and no host read are added for it. When the plan moves
 nothing (the same on every rank), a rank runs its own batch locally, which is exactly the
 unbalanced call; a batch that differs then only logs a warning.
 """
@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from fx_vitbal.plan.units import Plan
-from fx_vitbal.runtime import status, transfer
-from fx_vitbal.runtime.routing import Routing, local_outputs, routing_size
-from fx_vitbal.runtime.settings import BalancedCall
-from fx_vitbal.runtime.state import StepState
+from fx_vitbal.runtime.transport import status, transfer
+from fx_vitbal.runtime.transport.routing import Routing, local_outputs, routing_size
+from fx_vitbal.runtime.transport.state import StepState
+from fx_vitbal.runtime.vit.settings import BalancedCall
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,11 @@ class PlannedBatch:
     batch: BatchKey
     """This rank's batch as planned (see ``batch_key``)."""
     replicas: tuple[int, ...] = ()
-    """The group ranks holding this rank's batch it was planned with (``runtime.replicas``);
+    """The group ranks holding this rank's batch it was planned with (``runtime.agree.replicas``);
     the step must name the same."""
     state: StepState | None = None
-    """The call's host state (``runtime.state``), registered by the step that takes the plan."""
+    """The call's host state (``runtime.transport.state``), registered by the step that takes the
+    plan."""
 
 
 def batch_key(pixel_values: torch.Tensor, grid_rows: list[list[int]]) -> BatchKey:
@@ -98,10 +99,10 @@ def step_outputs(
     max_units: int,
 ) -> tuple[torch.Tensor, torch.Tensor, StepState | None]:
     """``vitbal::plan``'s outputs ``(balanced grid, routing)`` from ``planned`` (module doc),
-    and the call's host state to register (``runtime.state``: the planned state, re-keyed; None
-    when nothing of it applies). ``call``: the step's; its planner and merge size must be the
-    planned ones, its replicas too, and a plan that splits a frame needs a call that runs bands
-    (``call.runs_bands``): else the batch counts as not planned. Compiled calls
+    and the call's host state to register (``runtime.transport.state``: the planned state,
+    re-keyed; None when nothing of it applies). ``call``: the step's; its planner and merge size
+    must be the planned ones, its replicas too, and a plan that splits a frame needs a call that
+    runs bands (``call.runs_bands``): else the batch counts as not planned. Compiled calls
     (``call.grad_fixed``) do not compare ``requires_grad``; a ``call.problem`` with no gather to
     carry it makes this rank's batch not the one planned. ``max_units``: the routing size the
     op's fake kernel gives this call.

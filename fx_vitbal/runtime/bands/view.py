@@ -1,6 +1,6 @@
 """Bands at run time: what a tower computing row bands of a frame is told (``Bands``, eagerly
 or in its tensor form when compiled), and each rank's part of the exchange of their keys and
-values (``band_layout``; the exchange itself: ``fx_vitbal.runtime.band_exchange``).
+values (``band_layout``; the exchange itself: ``fx_vitbal.runtime.bands.exchange``).
 
 A band (``fx_vitbal.plan.bands``) is one more unit to routing, moves and restore: its pixel rows
 are a contiguous run of its frame's, so they move like any unit's and its outputs go home in
@@ -24,10 +24,10 @@ import torch
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.plan.units import is_band, unit_rows
-from fx_vitbal.runtime import transfer
-from fx_vitbal.runtime.band_exchange import LOCAL, BandLayout
-from fx_vitbal.runtime.moves import merged_ranges
-from fx_vitbal.runtime.state import route_of, state_of_routing
+from fx_vitbal.runtime.bands.exchange import LOCAL, BandLayout
+from fx_vitbal.runtime.transport import transfer
+from fx_vitbal.runtime.transport.moves import merged_ranges
+from fx_vitbal.runtime.transport.state import route_of, state_of_routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +135,8 @@ def bands_for_vit(
     routing: torch.Tensor, grid: torch.Tensor, group_name: str, runs: bool
 ) -> Bands | None:
     """The ``vitbal_bands`` a call gives its ViT: None unless it ``runs`` bands
-    (``settings.runs_bands``); then as Python, the plan's (``runtime.state``) on a step that
-    splits a frame, else None; under ``torch.compile`` (a ViT that runs their tensor form) that
+    (``settings.runs_bands``); then as Python, the plan's (``runtime.transport.state``) on a step
+    that splits a frame, else None; under ``torch.compile`` (a ViT that runs their tensor form) that
     form, on every step (``vitbal::band_tables``)."""
     if not runs:
         return None
@@ -151,8 +151,8 @@ def bands_for_vit(
 @torch.library.custom_op("vitbal::band_tables", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def band_tables(routing: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensor form of a step's ``Bands``: its ``unit_table`` on the grid's device and its
-    exchange's layout (``BandLayout``), from the call's state (``runtime.state``). A plan that
-    splits nothing (or made none: balancing off) gives whole units, read from the grid on its
+    exchange's layout (``BandLayout``), from the call's state (``runtime.transport.state``). A plan
+    that splits nothing (or made none: balancing off) gives whole units, read from the grid on its
     device, and a layout that exchanges nothing.
 
     Raises:

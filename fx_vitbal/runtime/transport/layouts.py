@@ -4,7 +4,7 @@ like (rows per merge block, dtype, row width) for them to move home.
 The first call for a layout key gathers every rank's layouts and checks them (one small
 blocking gather: the same ``ValueError`` on every rank, or agreement); later calls compare their
 outputs with the agreed layouts on the host, without communicating, and a misfit travels as a
-status word (``fx_vitbal.runtime.status``) with zeros of the agreed sizes in its place.
+status word (``fx_vitbal.runtime.transport.status``) with zeros of the agreed sizes in its place.
 """
 
 import hashlib
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from fx_vitbal.runtime import collectives, status, transfer
-from fx_vitbal.runtime.rows import DTYPES, row_numel
+from fx_vitbal.runtime.transport import collectives, status, transfer
+from fx_vitbal.runtime.transport.rows import DTYPES, row_numel
 
 # Outputs whose layouts one rank reports to the others in ``check_output_layouts``.
 MAX_OUTPUTS = 16
