@@ -78,7 +78,7 @@ def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None) -> 
         sets = [tuple(range(s * replicas, (s + 1) * replicas)) for s in range(len(grids))]
         grids = [grids[r // replicas] for r in range(ranks)]
     scale = bands.exchange_scale(False)
-    planned = planning.plan_step(grids, plan_settings(spec, band_scale=scale), sets)
+    planned = planning.plan_step(grids, plan_settings(spec), sets)  # priced at NVLink
     plan, units_R = planned.plan, planned.units_R
     owners = units_R if sets is None else [units for units in units_R]
     costs = [

@@ -7,12 +7,14 @@ Imports are read from the source (``import`` and ``from ... import`` anywhere in
 function-level ones too; re-exports through a package ``__init__`` are not edges).
 
 The stops: on rank 0 of two gloo ranks, one balanced call whose plan moves images, traced in
-its forward. A stop is a library function that gets pixel data as an argument: the pixels, or
-a floating-point tensor that a function given pixel data returned (the balanced pixels, the
-ViT's outputs; not the grid or the routing). Consecutive stops in one file count once; a stop
-in a file the path has already left is a return. A call is upward when the callee's module
-imports the caller's (directly or not): control climbing back up the layers (a callback, or a
-cycle).
+its forward and backward. A stop is a library function that gets the call's data as an
+argument: pixel data (the pixels, or a floating-point tensor that a function given pixel data
+returned: the balanced pixels, the ViT's outputs; not the grid or the routing), or the planning
+step's (the grids the plan gathered, the plan and the units it was made of, from the gather
+into ``plan/`` and back). Consecutive stops in one file count once; a stop in a file the path
+has already left is a return. A call is upward when the callee's module imports the caller's
+(directly or not): control climbing back up the layers (a callback, or a cycle). Also printed:
+how often the path enters ``plan/`` and the plan op's module.
 """
 
 import ast
@@ -123,9 +125,17 @@ def _traced_call(rank: int, world: int, store_path: str, queue) -> None:
     tracked = {id(pixels): pixels}  # pixel data by id (kept alive, so ids stay unique)
     following = set()  # frames that got pixel data: what they return is pixel data too
 
+    planning = tuple(_planning_types())
+
     def tensors(value, depth=0):
+        """Pixel data and the planning step's data in ``value`` (what is followed)."""
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             yield value
+        elif isinstance(value, planning):
+            yield value
+            for part in vars(value).values():  # its grids, plan and units: followed too
+                if isinstance(part, (list, *planning)):
+                    yield part
         elif isinstance(value, (list, tuple)) and depth < 2:
             for v in value:
                 yield from tensors(v, depth + 1)
@@ -148,7 +158,7 @@ def _traced_call(rank: int, world: int, store_path: str, queue) -> None:
             return
         code = frame.f_code
         args = [frame.f_locals.get(n) for n in code.co_varnames[: code.co_argcount]]
-        if not any(id(t) in tracked for a in args for t in tensors(a)):
+        if not any(id(a) in tracked or any(id(t) in tracked for t in tensors(a)) for a in args):
             return
         following.add(frame)
         if not stops or stops[-1] != name:
@@ -166,6 +176,15 @@ def _traced_call(rank: int, world: int, store_path: str, queue) -> None:
     if rank == 0:
         queue.put((stops, calls))
     dist.destroy_process_group()
+
+
+def _planning_types() -> list[type]:
+    """What the planning step hands on: the gathered metadata, the step's plan, the plan."""
+    from fx_vitbal.plan.step import StepPlan
+    from fx_vitbal.plan.units import Plan
+    from fx_vitbal.runtime.agree.metadata import Gathered
+
+    return [Gathered, StepPlan, Plan]
 
 
 def pixel_path() -> tuple[list[str], list[tuple[str, str]]]:
@@ -223,6 +242,12 @@ def main() -> None:
         f"calls between files: {len(calls)}; upward (into a module that imports the caller): "
         f"{len(upward)}: {sorted(collections.Counter(upward).items())}"
     )
+    entries = sum(
+        s.startswith("plan/") and (i == 0 or not stops[i - 1].startswith("plan/"))
+        for i, s in enumerate(stops)
+    )
+    planning = sum(s == "runtime/agree/planning.py" for s in stops)
+    print(f"enters plan/: {entries}; the plan op's module (runtime/agree/planning): {planning}")
     print(" -> ".join(s.removesuffix(".py") for s in stops))
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost
 from fx_vitbal.passes import apply_vit_balance_pass, symbolic_trace
-from fx_vitbal.plan.bands import Band, BandRule, exchange_scale
+from fx_vitbal.plan.bands import Band, BandRule
 from fx_vitbal.plan.step import plan_step
 from fx_vitbal.plan.units import is_band, unit_rows
 from fx_vitbal.runtime.bands.exchange import LOCAL
@@ -78,7 +78,7 @@ def _plan(grids, split: bool = True, **config):
     config = {"min_band_patches": 1024, **config}
     config = fx_vitbal.BalanceConfig(split_images=split, **config)
     spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False))
-    planned = plan_step(grids, plan_settings(spec, band_scale=exchange_scale(False)))
+    planned = plan_step(grids, plan_settings(spec))  # architecture costs: priced at NVLink
     return planned.plan, planned.units_R
 
 
@@ -430,9 +430,12 @@ def test_a_measured_exchange_prices_bands_out_when_it_is_slow():
     spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False))
 
     def plan_with(latency, seconds_per_byte):
-        scale = exchange_scale(True, latency, seconds_per_byte)
-        cost = _Seconds(_ARCH)
-        settings = plan_settings(spec, cost_model=cost, band_scale=scale)
+        settings = plan_settings(
+            spec,
+            cost_model=_Seconds(_ARCH),
+            exchange_latency=latency,
+            exchange_seconds_per_byte=seconds_per_byte,
+        )
         units_R = plan_step(grids, settings).units_R
         return sum(is_band(u) for units in units_R for u in units)
 
@@ -460,8 +463,10 @@ def test_the_collectives_latency_alone_keeps_a_frame_whole_when_it_outweighs_the
     rule, cost = band_rule_of(spec), _Seconds(_ARCH)
 
     def plan_with(latency):
-        scale = exchange_scale(True, latency, seconds_per_byte=1e-30)  # bytes cost ~nothing
-        planned = plan_step(grids, plan_settings(spec, cost_model=cost, band_scale=scale))
+        settings = plan_settings(  # bytes cost ~nothing
+            spec, cost_model=cost, exchange_latency=latency, exchange_seconds_per_byte=1e-30
+        )
+        planned = plan_step(grids, settings)
         plan, units_R = planned.plan, planned.units_R
         return plan, sum(is_band(u) for units in units_R for u in units)
 

@@ -1,6 +1,7 @@
 """The package's layering holds: no import cycles, no module over 400 lines, at most 8 modules
-flat in ``fx_vitbal/``, the planner free of ``torch.distributed``, and the entry points
-independent of each other (``benchmarks/layout.py`` reads the imports)."""
+flat in ``fx_vitbal/``, the planner free of ``torch.distributed``, the entry points
+independent of each other, and the runtime's rooms importing only the rooms below them
+(``benchmarks/layout.py`` reads the imports)."""
 
 import importlib.util
 import pathlib
@@ -52,3 +53,30 @@ def test_lower_layers_never_import_higher_ones():
         for entry in ENTRY_POINTS:  # an entry point builds on the runtime, never on another
             if name in entry:
                 assert not reached & (every_entry - entry), (name, reached & (every_entry - entry))
+
+
+# The runtime's rooms, lowest first: each imports only itself and the rooms before it, and
+# ``call.py`` sits on top of them all (docs/design.md draws them).
+ROOMS = ["transport", "bands", "vit", "agree", "call"]
+
+
+def _room(name: str) -> int | None:
+    parts = name.split(".")
+    if parts[:2] != ["fx_vitbal", "runtime"] or len(parts) < 3:
+        return None
+    return ROOMS.index(parts[2])
+
+
+def test_the_runtimes_rooms_import_only_the_rooms_below_them():
+    found = layout.modules()
+    runtime = [n for n in found if n.startswith("fx_vitbal.runtime.")]
+    flat = {n for n in runtime if n.count(".") == 2 and found[n].name != "__init__.py"}
+    assert flat == {"fx_vitbal.runtime.call"}  # nothing flat in runtime/ but the call on top
+    graph = layout.import_graph(found)
+    upward = [
+        (name, target)
+        for name in runtime
+        for target in graph.get(name, ())
+        if _room(target) is not None and _room(target) > _room(name)
+    ]
+    assert upward == []

@@ -471,7 +471,7 @@ def test_a_hugging_face_vlm_planned_ahead_with_replicas_matches_the_replicated_r
 def test_the_verbose_line_names_the_rows_replica_sets_no_longer_compute_twice():
     # One set of two ranks holding one 16-row image: planned once, 16 rows not computed twice.
     plan = fx_vitbal.solve_plan([[4.0], []], [[16], []])
-    planned = StepPlan(plan, [[(1, 4, 4)]], [[(1, 4, 4)], []], [(0, 1)], [[0], []])
+    planned = StepPlan(plan, [[(1, 4, 4)]], [[(1, 4, 4)], []], [(0, 1)], [[0], []], 16)
     line = describe_plan(planned, 7)
     assert line.startswith("[vit dp balance] step 7: ")
     assert line.endswith(", replica sets: 16 rows no longer computed twice")

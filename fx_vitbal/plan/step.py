@@ -15,12 +15,13 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.cost.static import CostModel
+from fx_vitbal.cost.static import ArchitectureCost, CostModel
 from fx_vitbal.plan.bands import (
     Band,
     BandRule,
     band_cost,
     bands_of_binding_frames,
+    exchange_scale,
     whole_where_idle,
 )
 from fx_vitbal.plan.replicas import as_held, solve_for_sets
@@ -40,11 +41,24 @@ class PlanSettings:
     """The unit cost: the ViT's static model, or the online model fitted this step."""
     band_rule: BandRule | None = None
     """The frames that bind the step alone may be split into bands by it (None: never)."""
-    band_scale: tuple[float, float] | None = None
-    """``(bytes per cost unit, cost of one collective)`` pricing a band's exchange
-    (``plan.bands.exchange_scale``); None: not priced."""
     exchange_seconds: Callable[[list[int], list[int]], float] | None = None
     """The measured exchange model, weighed against the saving (``solve_plan``)."""
+    exchange_latency: float = 0.0
+    exchange_seconds_per_byte: float = 0.0
+    """The measured exchange's fitted latency and seconds per byte (0: not measured): with
+    costs in seconds, what prices a band's exchange (``band_scale``)."""
+
+    @property
+    def band_scale(self) -> tuple[float, float] | None:
+        """``(bytes per cost unit, cost of one collective)`` pricing a band's exchange
+        (``plan.bands.exchange_scale``): the measured exchange when costs are in seconds, the
+        H100-class constants when they are in multiply-accumulates, else None (``l**2`` and
+        polynomial costs have no scale for bytes)."""
+        if self.exchange_seconds_per_byte > 0.0:
+            return exchange_scale(True, self.exchange_latency, self.exchange_seconds_per_byte)
+        if isinstance(self.cost_model, ArchitectureCost):
+            return exchange_scale(False)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +75,8 @@ class StepPlan:
     """Replica sets (``plan.replicas``), or None."""
     held: list[list[int]] | None = None
     """With replica sets: the indices in its set of the units each rank holds."""
+    deduplicated_rows: int = 0
+    """Pixel rows replica sets no longer compute once per replica (0 without sets)."""
 
     @functools.cached_property
     def _where(self) -> dict[tuple[int, int], int]:
@@ -85,15 +101,6 @@ class StepPlan:
     def computed_by(self, owner: int, index: int) -> int:
         """The rank computing unit ``index`` of ``owner``."""
         return self._where[(owner, index)]
-
-    def deduplicated_rows(self) -> int:
-        """Pixel rows replica sets no longer compute once per replica (0 without sets)."""
-        if self.sets is None:
-            return 0
-        return sum(
-            (len(ranks) - 1) * sum(unit_rows(u) for u in units)
-            for ranks, units in zip(self.sets, self.units_O, strict=True)
-        )
 
 
 def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
@@ -159,7 +166,10 @@ def _solve(units_O, cost_of, settings: PlanSettings, num_ranks: int, sets) -> St
         plan = solve_plan(costs, tokens, config=config, exchange_seconds=seconds)
         return StepPlan(plan, units_O, units_O)
     plan, held = solve_for_sets(costs, tokens, sets, config=config, exchange_seconds=seconds)
-    return StepPlan(plan, units_O, as_held(units_O, sets, held), list(sets), held)
+    deduplicated = sum(  # each set's rows, once instead of once per replica
+        (len(ranks) - 1) * sum(tokens_S) for ranks, tokens_S in zip(sets, tokens, strict=True)
+    )
+    return StepPlan(plan, units_O, as_held(units_O, sets, held), list(sets), held, deduplicated)
 
 
 def solve_with_bands(
@@ -242,7 +252,7 @@ def describe_plan(step_plan: StepPlan, step: int) -> str:
     if bands:
         frames = sum(u.first_row == 0 for u in bands)
         line += f", {frames} frame{'s' * (frames > 1)} split into {len(bands)} bands"
-    deduplicated = step_plan.deduplicated_rows()
+    deduplicated = step_plan.deduplicated_rows
     if deduplicated:
         line += f", replica sets: {deduplicated:,} rows no longer computed twice"
     return line

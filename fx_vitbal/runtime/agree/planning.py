@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
-from fx_vitbal.cost.static import ArchitectureCost
 from fx_vitbal.measure.measurements import measurements_for
 from fx_vitbal.measure.stats import defer, publish
-from fx_vitbal.plan.bands import exchange_scale
 from fx_vitbal.plan.step import describe_plan, plan_step
 from fx_vitbal.plan.units import Plan, is_band
 from fx_vitbal.runtime.agree import handover
@@ -144,12 +142,14 @@ def solve_for_rank(
     exchange_model = state.exchange_model(pixel_bytes, gathered.pixels_need_grad)
     settings = plan_settings(planner)
     cost_model = state.cost_model() or settings.cost_model  # fitted this step (online)
-    settings = dataclasses.replace(
-        settings,
-        cost_model=cost_model,
-        band_scale=_band_scale(cost_model, exchange_model),
-        exchange_seconds=exchange_model.step_seconds if exchange_model is not None else None,
-    )
+    settings = dataclasses.replace(settings, cost_model=cost_model)
+    if exchange_model is not None:  # measured: costs are seconds, and so is the exchange
+        settings = dataclasses.replace(
+            settings,
+            exchange_seconds=exchange_model.step_seconds,
+            exchange_latency=exchange_model.latency,
+            exchange_seconds_per_byte=exchange_model.seconds_per_byte,
+        )
     if not gathered.runs_bands:  # some rank's call does not run them
         settings = dataclasses.replace(settings, band_rule=None)
     planned = plan_step(gathered.grids_R, settings, gathered.sets)
@@ -205,7 +205,7 @@ def solve_for_rank(
     else:
         kept.bands = Bands(whole_units(rows), None, group.group_name)
     note = describe_plan(planned, step) if rank == 0 and settings.config.verbose else None
-    deduplicated = planned.deduplicated_rows()
+    deduplicated = planned.deduplicated_rows
     defer(
         call_id,
         note,
@@ -228,17 +228,6 @@ def _rows_routing(route: Routing, routed, rows_of, **changes) -> torch.Tensor:
 
 # Ids of the calls planned in this process, for their status words and deferred reports.
 _CALL_IDS = itertools.count(1)
-
-
-def _band_scale(cost_model, exchange_model):
-    """What prices a band's exchange (``plan.bands.exchange_scale``): the measured exchange when
-    costs are in seconds, the H100-class constants when they are in multiply-accumulates, else
-    nothing (``l**2`` and polynomial costs have no scale for bytes)."""
-    if exchange_model is not None:
-        return exchange_scale(True, exchange_model.latency, exchange_model.seconds_per_byte)
-    if isinstance(cost_model, ArchitectureCost):
-        return exchange_scale(False)
-    return None
 
 
 @plan.register_fake
