@@ -7,6 +7,7 @@ issuing the same collectives, and the paths that cannot run bands plan whole fra
 import contextlib
 import dataclasses
 import io
+import types
 
 import pytest
 import torch
@@ -556,7 +557,13 @@ def _band_ops(rank: int, world: int) -> dict:
     want_grad = torch.autograd.grad(loss, xs_R[rank])[0]
     x = xs_R[rank].detach().clone().requires_grad_(True)
     arrivals = [(0, i) for i, p in enumerate(placement) if p == rank]
-    layout = band_layout(units_O, computed_by, arrivals, rank, world, 2)[1]
+    planned = types.SimpleNamespace(  # the planning step's part band_layout reads
+        units_O=units_O,
+        rows_O=[[8] * len(BAND_FRAME)] + [[] for _ in range(world - 1)],
+        frames={(0, 0): list(range(len(BAND_FRAME)))},
+        computed_by=computed_by,
+    )
+    layout = band_layout(planned, arrivals, rank, world, 2)[1]
     got = torch.ops.vitbal.band_gather(x, layout.to_tensor(), dist.group.WORLD.group_name)
     (got_grad,) = torch.autograd.grad((got * weights[rank]).sum(), x)
     return {

@@ -390,7 +390,7 @@ def test_a_cuda_clock_reports_a_call_only_once_its_events_completed(monkeypatch)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
     state = Measurements(OnlineCost(prior=QuadraticCost()))
     plan = Plan([[(0, 0)], [(1, 0)]], False, "balanced", [1.0, 1.0], [1.0, 1.0], 0.0, 0.0, 0)
-    _, clock = state.begin(plan, [[(1, 2, 2)], [(1, 2, 2)]], 2)
+    clock = state.begin(state.next_step(), plan, [[(1, 2, 2)], [(1, 2, 2)]], 2)
     vit = nn.Linear(1, 1)
     clock.forward_started(torch.device("cuda", 1))  # the ViT's device: records at 1 ms
     output = vit(torch.ones(1))

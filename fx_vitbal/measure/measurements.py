@@ -137,12 +137,20 @@ class Measurements:
             pixels_need_grad=pixels_need_grad,
         )
 
+    def next_step(self) -> int:
+        """This call's number (``BalanceStats.step``), taken before it is planned (its verbose
+        line is written with the plan); ``begin`` then keeps what it planned under it."""
+        with self._lock:
+            step = self._next_step
+            self._next_step += 1
+        return step
+
     def begin(
-        self, plan: Plan, units_R: list[list[Unit]], merge_size: int
-    ) -> tuple[int, StepClock | None]:
-        """Keep the units each rank computes under ``plan``; ``(this call's id, this rank's
-        clock)``, the clock None when nothing reads measured times (no online fit, no stats
-        callback): then the call installs no hook at all."""
+        self, step: int, plan: Plan, units_R: list[list[Unit]], merge_size: int
+    ) -> StepClock | None:
+        """Keep the units each rank computes under ``plan`` for call ``step`` (``next_step``);
+        this rank's clock of the call, None when nothing reads measured times (no online fit,
+        no stats callback): then the call installs no hook at all."""
         # The units behind each rank's reported time: only an online fit reads them.
         computed = [
             [units_R[src][idx] for src, idx in assigned] or [(1, merge_size, merge_size)]
@@ -153,8 +161,6 @@ class Measurements:
         if model is not None and model.blend == 1.0:  # only then is it a per-rank time
             predicted = [model.rank_seconds(units) for units in computed]
         with self._lock:
-            step = self._next_step
-            self._next_step += 1
             self._history[step] = _Step(computed, predicted)
             while len(self._history) > HISTORY:
                 self._history.popitem(last=False)
@@ -162,7 +168,7 @@ class Measurements:
             if self.fit is not None or has_callbacks():
                 clock = StepClock(step, self._clocks)
                 self._clocks.append(clock)
-        return step, clock
+        return clock
 
     def stats(self, step, rank, plan, units_R, measured, exchange, deduplicated=0) -> BalanceStats:
         model = self.cost_model()

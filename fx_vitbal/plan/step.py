@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.static import ArchitectureCost, CostModel
 from fx_vitbal.plan.bands import (
-    Band,
     BandRule,
     band_cost,
     bands_of_binding_frames,
@@ -77,6 +76,13 @@ class StepPlan:
     """With replica sets: the indices in its set of the units each rank holds."""
     deduplicated_rows: int = 0
     """Pixel rows replica sets no longer compute once per replica (0 without sets)."""
+    rows_O: list[list[int]] = dataclasses.field(default_factory=list)
+    """Each owner's units' pixel rows (``units_O``'s)."""
+    frames: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
+    """The split frames, by name ``(owner, index of their first band)``: their bands' indices
+    in the owner's units, in order. Empty on a step that splits nothing."""
+    note: str | None = None
+    """The ``--dp-balance-verbose`` line (``describe_plan``), when asked for."""
 
     @functools.cached_property
     def _where(self) -> dict[tuple[int, int], int]:
@@ -144,11 +150,14 @@ def plan_step(
     grids_R: list[list[list[int]]],
     settings: PlanSettings,
     sets: list[tuple[int, ...]] | None = None,
+    describe_as: int | None = None,
 ) -> StepPlan:
     """Cost every unit of every rank and solve the plan (the same result on every rank).
 
     ``sets``: replica sets, whose ranks hold one grid each: their units are planned once
-    (``plan.replicas.solve_for_sets``). The memo of unit costs lives for this call only.
+    (``plan.replicas.solve_for_sets``). ``describe_as``: the call's ``BalanceStats.step``, to
+    write the ``--dp-balance-verbose`` line for (``StepPlan.note``; None: none). The memo of
+    unit costs lives for this call only.
     """
     split = settings.config.split_frames
     if sets is None:
@@ -156,20 +165,36 @@ def plan_step(
     else:
         units_O = [split_units(grids_R[ranks[0]], split) for ranks in sets]
     cost_of = unit_costs(settings.cost_model, settings.band_rule, settings.band_scale)
-    return solve_with_bands(units_O, cost_of, settings, len(grids_R), sets)
+    planned = solve_with_bands(units_O, cost_of, settings, len(grids_R), sets)
+    if describe_as is None:
+        return planned
+    return dataclasses.replace(planned, note=describe_plan(planned, describe_as))
 
 
 def _solve(units_O, cost_of, settings: PlanSettings, num_ranks: int, sets) -> StepPlan:
     costs, tokens = cost_units(units_O, cost_of)
     config, seconds = settings.config, settings.exchange_seconds
+    frames = _split_frames(units_O)
     if sets is None:
         plan = solve_plan(costs, tokens, config=config, exchange_seconds=seconds)
-        return StepPlan(plan, units_O, units_O)
+        return StepPlan(plan, units_O, units_O, rows_O=tokens, frames=frames)
     plan, held = solve_for_sets(costs, tokens, sets, config=config, exchange_seconds=seconds)
     deduplicated = sum(  # each set's rows, once instead of once per replica
         (len(ranks) - 1) * sum(tokens_S) for ranks, tokens_S in zip(sets, tokens, strict=True)
     )
-    return StepPlan(plan, units_O, as_held(units_O, sets, held), list(sets), held, deduplicated)
+    units_R = as_held(units_O, sets, held)
+    return StepPlan(plan, units_O, units_R, list(sets), held, deduplicated, tokens, frames)
+
+
+def _split_frames(units_O: list[list[Unit]]) -> dict[tuple[int, int], list[int]]:
+    """``StepPlan.frames``: each split frame's bands, consecutive in its owner's units."""
+    frames: dict[tuple[int, int], list[int]] = {}
+    for o, units in enumerate(units_O):
+        for i, u in enumerate(units):
+            if is_band(u):
+                name = (o, i) if u.first_row == 0 else next(reversed(frames))
+                frames.setdefault(name, []).append(i)
+    return frames
 
 
 def solve_with_bands(
@@ -248,10 +273,9 @@ def describe_plan(step_plan: StepPlan, step: int) -> str:
             line += f" -> {plan.imbalance_after:.3f}, load/mean {before} -> {after}"
         else:
             line += f", load/mean {before}"
-    bands: list[Band] = [u for units in step_plan.units_R for u in units if is_band(u)]
-    if bands:
-        frames = sum(u.first_row == 0 for u in bands)
-        line += f", {frames} frame{'s' * (frames > 1)} split into {len(bands)} bands"
+    if step_plan.frames:
+        frames, bands = len(step_plan.frames), sum(map(len, step_plan.frames.values()))
+        line += f", {frames} frame{'s' * (frames > 1)} split into {bands} bands"
     deduplicated = step_plan.deduplicated_rows
     if deduplicated:
         line += f", replica sets: {deduplicated:,} rows no longer computed twice"

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.measure.measurements import measurements_for
 from fx_vitbal.measure.stats import defer, publish
-from fx_vitbal.plan.step import describe_plan, plan_step
-from fx_vitbal.plan.units import Plan, is_band
+from fx_vitbal.plan.step import plan_step
+from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime.agree import handover
 from fx_vitbal.runtime.agree.metadata import gather_grids, settings_fingerprint
 from fx_vitbal.runtime.agree.replicas import routing_for_sets
@@ -152,10 +152,12 @@ def solve_for_rank(
         )
     if not gathered.runs_bands:  # some rank's call does not run them
         settings = dataclasses.replace(settings, band_rule=None)
-    planned = plan_step(gathered.grids_R, settings, gathered.sets)
+    step = state.next_step()
+    describe = step if rank == 0 and settings.config.verbose else None
+    planned = plan_step(gathered.grids_R, settings, gathered.sets, describe)
     solved, units_R, units_O = planned.plan, planned.units_R, planned.units_O
     call_id = next(_CALL_IDS)
-    step, clock = state.begin(solved, units_R, merge_size)
+    clock = state.begin(step, solved, units_R, merge_size)
     if planned.sets is None:
         routed = functools.partial(local_routing, solved, units_R, rank, merge_size)
         route, rows = routed(), None
@@ -168,7 +170,7 @@ def solve_for_rank(
             return routing_for_sets(*sets, rows_of)[0]
 
         rows = [list(units_O[s][i][:3]) for s, i in arrivals] or None
-    split = any(is_band(u) for units in units_O for u in units)
+    split = bool(planned.frames)
     route = dataclasses.replace(
         route,
         any_units=any(units_R),
@@ -195,20 +197,17 @@ def solve_for_rank(
     # The batch as the ViT gets it (``Bands``): its units, and on a step that splits a frame
     # the exchange of the frame's keys and values.
     if split:
-        band_units, layout = band_layout(
-            units_O, planned.computed_by, arrivals, rank, world_size, merge_size
-        )
+        band_units, layout = band_layout(planned, arrivals, rank, world_size, merge_size)
         layout = dataclasses.replace(layout, step=call_id)
         packed = layout.to_tensor()
         kept.bands = Bands(band_units, packed, group.group_name)
         kept.band_layout = (packed, layout)
     else:
         kept.bands = Bands(whole_units(rows), None, group.group_name)
-    note = describe_plan(planned, step) if rank == 0 and settings.config.verbose else None
     deduplicated = planned.deduplicated_rows
     defer(
         call_id,
-        note,
+        planned.note,
         lambda: state.stats(step, rank, solved, units_R, measured, exchange_model, deduplicated),
     )
     if not route.applied:  # nothing moves: the gather was the call's last collective

@@ -18,12 +18,12 @@ Shape suffixes: ``_U`` per local unit, ``_R`` per rank.
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
-from fx_vitbal.plan.units import is_band, unit_rows
+from fx_vitbal.plan.step import StepPlan
 from fx_vitbal.runtime.bands.exchange import LOCAL, BandLayout
 from fx_vitbal.runtime.transport import transfer
 from fx_vitbal.runtime.transport.moves import merged_ranges
@@ -185,8 +185,7 @@ def whole_units(rows: Sequence[Sequence[int]]) -> list[BandUnit]:
 
 
 def band_layout(
-    units_O: Sequence[Sequence[tuple]],
-    computed_by: Callable[[int, int], int],
+    planned: StepPlan,
     arrivals: Sequence[tuple[int, int]],
     rank: int,
     world: int,
@@ -195,29 +194,24 @@ def band_layout(
     """This rank's ``BandUnit``s and exchange under a plan.
 
     Args:
-        units_O: every owner's units as planned (an owner is a rank, or a replica set), a
-            split frame's ``Band``s consecutive in its owner's list.
-        computed_by: ``(owner, index) -> the rank computing that unit``.
+        planned: the step's plan (``plan.step.StepPlan``): every owner's units (an owner is a
+            rank, or a replica set) and their rows, the split frames (by name ``(owner, index
+            of their first band)``, their bands in order) and who computes each unit.
         arrivals: ``(owner, index)`` of the units this rank computes, in batch order.
         rank, world: this rank, and the group's size.
         merge_size: a rank computing nothing else computes the dummy unit ``[1, m, m]``.
 
-    Frames are named by ``(owner, index of their first band)``; two ranks exchange the rows of
-    every frame both compute bands of, frame by frame in that order, band by band.
+    Two ranks exchange the rows of every frame both compute bands of, frame by frame in name
+    order, band by band.
     """
-    frame_of: dict[tuple[int, int], tuple[int, int]] = {}  # band -> its frame's name
-    bands_of: dict[tuple[int, int], list[int]] = {}  # frame -> its bands' indices
-    for o, units in enumerate(units_O):
-        for i, u in enumerate(units):
-            if is_band(u):
-                name = (o, i) if u.first_row == 0 else frame_of[(o, i - 1)]
-                frame_of[(o, i)] = name
-                bands_of.setdefault(name, []).append(i)
+    units_O, rows_O, bands_of = planned.units_O, planned.rows_O, planned.frames
+    computed_by = planned.computed_by
+    frame_of = {(name[0], i): name for name, indices in bands_of.items() for i in indices}
     starts = [0]
     local = {}
     for o, i in arrivals:
         local.setdefault((o, i), len(starts) - 1)
-        starts.append(starts[-1] + unit_rows(units_O[o][i]))
+        starts.append(starts[-1] + rows_O[o][i])
     mine = sorted({frame_of[a] for a in arrivals if a in frame_of})
     # Per peer rank, in frame then band order: the local bands sent, the bands received.
     send_R: list[list[int]] = [[] for _ in range(world)]
@@ -235,7 +229,7 @@ def band_layout(
     for peer in range(world):
         first = 0
         for o, i in recv_R[peer]:
-            rows = unit_rows(units_O[o][i])
+            rows = rows_O[o][i]
             arrived[(o, i)] = (peer, first, first + rows)
             first += rows
         out_splits.append(first)
@@ -245,7 +239,7 @@ def band_layout(
         pieces.append((LOCAL, 0, merge_size * merge_size))
     for j, (o, i) in enumerate(arrivals):
         u = units_O[o][i]
-        if not is_band(u):
+        if (o, i) not in frame_of:  # a whole unit
             t, h, w = u
             units.append(BandUnit(t, h, 0, h, w))
             pieces.append((LOCAL, starts[j], starts[j + 1]))
