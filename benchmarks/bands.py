@@ -28,7 +28,7 @@ from fx_vitbal.tools.simulate import QWEN2_VL_7B
 from fx_vitbal.tools.workloads import sample_batches, sample_grid
 
 WIDTH, LAYERS = QWEN2_VL_7B.hidden, QWEN2_VL_7B.depth
-SUPPORT = (2, LAYERS, WIDTH, False)  # whole merge rows; every layer attends over whole frames
+SUPPORT = (2, LAYERS, WIDTH, False, 16)  # merge rows; every layer attends over whole frames
 PAGE_4K = [1, 274, 154]  # 3840 x 2160 px in 14 px patches: 42,196 patches
 TITAN_2016, TITAN_4032 = [1, 144, 144], [1, 288, 288]  # 20,736 and 82,944 patches
 

@@ -16,7 +16,6 @@ judges values and raises ``ValueError`` naming the field; the flags layer maps i
 
 import argparse
 import dataclasses
-import math
 import os
 import re
 import sys
@@ -24,28 +23,15 @@ import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
-COST_MODELS = ("auto", "quadratic", "polynomial", "architecture", "online")
-STRATEGIES = ("min-move", "lpt")
-SKIP_RULES = ("no-gain", "seed")
-WHEN = ("training", "always")
-
-
-class _FieldError(ValueError):
-    """``BalanceConfig``'s ``ValueError``, knowing the fields it names: see [Note: flags]."""
-
-    def __init__(self, field: str, problem: str, related: tuple[str, ...] = ()) -> None:
-        super().__init__(field, problem, related)  # these args, so it pickles across processes
-        self.field, self.problem, self.related = field, problem, related
-
-    def __str__(self) -> str:
-        return f"BalanceConfig.{self.field} {self.problem}"
-
-
-def _check(
-    ok: bool, field: str, value: object, expected: str, related: tuple[str, ...] = ()
-) -> None:
-    if not ok:
-        raise _FieldError(field, f"must be {expected}, got {value!r}", related)
+from fx_vitbal.config_checks import (
+    BAND_EXCHANGES,
+    COST_MODELS,
+    SKIP_RULES,
+    STRATEGIES,
+    WHEN,
+    FieldError,
+    check_config,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,63 +114,23 @@ class BalanceConfig:
     ``LOCAL_WORLD_SIZE`` when that is set; with model parallelism inside a node pass the number
     of data-parallel ranks per node instead."""
 
+    band_exchange: str = "auto"
+    """How the ranks computing a split frame's bands exchange what its attention needs, in each
+    layer that attends over the whole frame: ``gather`` (each band rank gets the other bands'
+    keys and values), ``ulysses`` (an all-to-all of heads: each rank attends over the whole
+    frame for a share of the heads; the heads must divide among the frame's ranks), ``ring``
+    (the keys and values pass around the frame's ranks in k-1 steps, an online softmax merging
+    the blocks), or ``auto``: per frame, the kind the exchange model prices lowest where the
+    frame's ranks sit (``fx_vitbal.plan.bands``). A tower that only gathers
+    (``Bands.gather``) always gathers."""
+
+    memory_budget: int | None = None
+    """Bytes of activations one rank may hold for one frame in the ViT (``None``: no budget):
+    a frame whose held bytes (``BandRule.held_bytes_per_patch`` per patch) exceed it is cut
+    into as many bands as it needs to fit, whether or not it binds the step."""
+
     def __post_init__(self) -> None:
-        _check(self.trigger_threshold >= 0, "trigger_threshold", self.trigger_threshold, ">= 0")
-        if self.max_len_ratio is not None:
-            _check(
-                self.max_len_ratio >= 1,
-                "max_len_ratio",
-                self.max_len_ratio,
-                ">= 1 (inf for no cap) or None",
-            )
-        _check(self.tolerance >= 0, "tolerance", self.tolerance, ">= 0")
-        _check(
-            isinstance(self.max_iters, int) and self.max_iters >= 0,
-            "max_iters",
-            self.max_iters,
-            "an int >= 0",
-        )
-        _check(self.cost_model in COST_MODELS, "cost_model", self.cost_model, f"in {COST_MODELS}")
-        _check(self.strategy in STRATEGIES, "strategy", self.strategy, f"in {STRATEGIES}")
-        _check(self.skip_rule in SKIP_RULES, "skip_rule", self.skip_rule, f"in {SKIP_RULES}")
-        _check(self.when in WHEN, "when", self.when, f"in {WHEN}")
-        _check(0 <= self.min_gain < 1, "min_gain", self.min_gain, "in [0, 1)")
-        mbp = self.min_band_patches
-        _check(
-            isinstance(mbp, int) and not isinstance(mbp, bool) and mbp >= 1,
-            "min_band_patches",
-            mbp,
-            "an int >= 1",
-        )
-        rpn = self.ranks_per_node
-        _check(
-            rpn is None or (isinstance(rpn, int) and not isinstance(rpn, bool) and rpn >= 1),
-            "ranks_per_node",
-            rpn,
-            "None or an int >= 1",
-        )
-        coeffs = self.cost_coeffs
-        if coeffs is not None:  # a list from argparse or JSON: keep the config hashable
-            object.__setattr__(self, "cost_coeffs", tuple(coeffs))
-        if self.cost_model == "polynomial" or coeffs is not None:
-            _check(
-                coeffs is not None
-                and len(coeffs) == 3
-                and all(math.isfinite(c) and c >= 0 for c in coeffs)
-                and any(c > 0 for c in coeffs),
-                "cost_coeffs",
-                coeffs,
-                "three finite non-negative numbers, not all zero, with cost_model 'polynomial'",
-                related=("cost_model",),
-            )
-        if coeffs is not None:
-            _check(
-                self.cost_model == "polynomial",
-                "cost_model",
-                self.cost_model,
-                "'polynomial' when cost_coeffs is given",
-                related=("cost_coeffs",),
-            )
+        check_config(self)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BalanceConfig":
@@ -217,7 +163,7 @@ class BalanceConfig:
             warnings.warn(message, UserWarning, stacklevel=2)
         try:
             return cls(**values)
-        except _FieldError as err:  # parser.error without the parser: see [Note: flags]
+        except FieldError as err:  # parser.error without the parser: see [Note: flags]
             prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
             flag, problem = _FLAG_OF[err.field], _flag_problem(err)
             sys.stderr.write(f"{prog}: error: argument {flag}: {problem}\n")
@@ -339,6 +285,21 @@ _FLAGS = (
         metavar="N",
     ),
     _flag(
+        "--dp-balance-band-exchange-vit",
+        "band_exchange",
+        "how a split frame's ranks exchange in each whole-frame attention layer: gather, "
+        "ulysses (heads), ring, or auto (the cheapest where the ranks sit)",
+        choices=BAND_EXCHANGES,
+    ),
+    _flag(
+        "--dp-balance-memory-budget-vit",
+        "memory_budget",
+        "bytes of ViT activations one rank may hold for one frame; a frame above it is split",
+        "none",
+        type=int,
+        metavar="BYTES",
+    ),
+    _flag(
         "--dp-balance-ranks-per-node-vit",
         "ranks_per_node",
         "data-parallel ranks per node (contiguous) for node-aware planning: keep moves inside "
@@ -377,7 +338,7 @@ def add_vit_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def _flag_problem(err: _FieldError) -> str:
+def _flag_problem(err: FieldError) -> str:
     """The problem in flags' words: the other fields its rule names become their flags."""
     problem = err.problem
     for field in err.related:
@@ -392,7 +353,7 @@ def _checked_type(field: str, convert: Callable[[str], object]) -> Callable[[str
         value = convert(text)  # a ValueError here: argparse says "invalid float value: 'x'"
         try:
             BalanceConfig(**{field: value})
-        except _FieldError as err:
+        except FieldError as err:
             raise argparse.ArgumentTypeError(_flag_problem(err)) from None
         return value
 

@@ -78,7 +78,7 @@ def _plan(grids, split: bool = True, **config):
     exchange priced at NVLink speed on an H100 (``plan.bands``)."""
     config = {"min_band_patches": 1024, **config}
     config = fx_vitbal.BalanceConfig(split_images=split, **config)
-    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False))
+    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False, 16))
     planned = plan_step(grids, plan_settings(spec))  # architecture costs: priced at NVLink
     return planned.plan, planned.units_R
 
@@ -428,7 +428,7 @@ def test_a_measured_exchange_prices_bands_out_when_it_is_slow():
     a fast interconnect splits the frame that binds the step, a slow one keeps it whole."""
     grids = [[[1, 128, 128]], [[1, 16, 16]]]
     config = fx_vitbal.BalanceConfig(min_band_patches=1024)
-    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False))
+    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False, 16))
 
     def plan_with(latency, seconds_per_byte):
         settings = plan_settings(
@@ -460,7 +460,7 @@ def test_the_collectives_latency_alone_keeps_a_frame_whole_when_it_outweighs_the
     whole; without latency it splits."""
     grids = [[[1, 128, 128]], [[1, 16, 16]]]
     config = fx_vitbal.BalanceConfig(min_band_patches=1024)
-    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False))
+    spec = planner_spec_for(config, _ARCH, True, (2, 32, 1280, False, 16))
     rule, cost = band_rule_of(spec), _Seconds(_ARCH)
 
     def plan_with(latency):

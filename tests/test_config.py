@@ -41,9 +41,13 @@ FLAG_OF = {
     "split_images": "--dp-balance-split-images-vit",
     "min_band_patches": "--dp-balance-min-band-patches-vit",
     "ranks_per_node": "--dp-balance-ranks-per-node-vit",
+    "band_exchange": "--dp-balance-band-exchange-vit",
+    "memory_budget": "--dp-balance-memory-budget-vit",
 }
 
 BAD_VALUES = [
+    ("band_exchange", "all-gather"),
+    ("memory_budget", 0),
     ("trigger_threshold", -0.1),
     ("trigger_threshold", math.nan),
     ("max_len_ratio", 0.5),
@@ -165,6 +169,10 @@ def test_every_flag_reaches_its_field():
             "--no-dp-balance-split-images-vit",
             "--dp-balance-min-band-patches-vit",
             "4096",
+            "--dp-balance-band-exchange-vit",
+            "ring",
+            "--dp-balance-memory-budget-vit",
+            "1000000",
         ]
     )
     expected = BalanceConfig(
@@ -183,6 +191,8 @@ def test_every_flag_reaches_its_field():
         split_frames=False,
         split_images=False,
         min_band_patches=4096,
+        band_exchange="ring",
+        memory_budget=1_000_000,
         ranks_per_node=8,
     )
     assert cfg == expected

@@ -30,16 +30,17 @@ ATTENTION = "vitbal_flash"
 RECIPES = ("qwen2", "qwen2_5", "qwen3", "glm")
 
 
-def band_support(tower: nn.Module, recipe: str, width: int) -> tuple[int, int, int, bool]:
-    """``(align rows, exchanging layers, key width, compiled)`` of a tower with ``recipe``
-    (``vits.BandSupport.of``): Qwen2.5-VL's bands start at whole windows and exchange in its
-    full-attention blocks only; compiled calls of these towers plan whole frames (their
+def band_support(tower: nn.Module, recipe: str, width: int) -> tuple[int, int, int, bool, int]:
+    """``(align rows, exchanging layers, key width, compiled, heads)`` of a tower with
+    ``recipe`` (``BandSupport.of``): Qwen2.5-VL's bands start at whole windows and exchange in
+    its full-attention blocks only; compiled calls of these towers plan whole frames (their
     positions and segments are read on the host)."""
     merge = tower.spatial_merge_size
     if recipe == "qwen2_5":
         window_rows = tower.window_size // tower.patch_size
-        return math.lcm(merge, window_rows), len(tower.fullatt_block_indexes), width, False
-    return merge, len(tower.blocks), width, False
+        heads = tower.config.num_heads
+        return math.lcm(merge, window_rows), len(tower.fullatt_block_indexes), width, False, heads
+    return merge, len(tower.blocks), width, False, tower.config.num_heads
 
 
 def install(tower: nn.Module, recipe: str) -> None:

@@ -64,9 +64,11 @@ class BandRule:
     kv_bytes_per_patch: int
     """Bytes of one patch's keys and values in one such layer (2 x hidden x 2 bytes in bf16)."""
     compiled: bool = False
-    """The tower runs bands under ``torch.compile`` too
-    (``runtime.vit.registry.BandSupport.compiled``); without it a compiled call plans whole
-    frames."""
+    """The tower runs bands under ``torch.compile`` too (``BandSupport.compiled``); without it a
+    compiled call plans whole frames."""
+    heads: int = 0
+    """Attention heads of the exchanging layers (``BandSupport.heads``; 0: not said, no
+    head-parallel exchange)."""
 
     def bands(self, unit: Sequence[int], parts: int) -> list[Band]:
         """``unit`` (a frame ``(1, h, w)``) as up to ``parts`` bands of whole ``align`` rows, as

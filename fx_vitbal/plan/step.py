@@ -81,6 +81,9 @@ class StepPlan:
     frames: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
     """The split frames, by name ``(owner, index of their first band)``: their bands' indices
     in the owner's units, in order. Empty on a step that splits nothing."""
+    exchanges: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+    """Each split frame's exchange (``BalanceConfig.band_exchange``: ``gather``, ``ulysses`` or
+    ``ring``), by frame name as in ``frames``."""
     note: str | None = None
     """The ``--dp-balance-verbose`` line (``describe_plan``), when asked for."""
 
@@ -166,6 +169,7 @@ def plan_step(
         units_O = [split_units(grids_R[ranks[0]], split) for ranks in sets]
     cost_of = unit_costs(settings.cost_model, settings.band_rule, settings.band_scale)
     planned = solve_with_bands(units_O, cost_of, settings, len(grids_R), sets)
+    planned = dataclasses.replace(planned, exchanges=choose_exchanges(planned, settings))
     if describe_as is None:
         return planned
     return dataclasses.replace(planned, note=describe_plan(planned, describe_as))
@@ -228,6 +232,20 @@ def solve_with_bands(
     if span >= _makespan(whole.plan) * (1.0 - config.min_gain):
         return whole
     return banded
+
+
+def choose_exchanges(planned: StepPlan, settings: PlanSettings) -> dict[tuple[int, int], str]:
+    """Each split frame's exchange kind: the config's when forced (``ulysses`` only where the
+    tower's heads divide among the frame's ranks: else ``ring``, by rule), else ``gather``."""
+    forced, rule = settings.config.band_exchange, settings.band_rule
+    kinds = {}
+    for name, bands in planned.frames.items():
+        k = len({planned.computed_by(name[0], i) for i in bands})
+        kind = "gather" if forced == "auto" else forced
+        if kind == "ulysses" and not (rule is not None and rule.heads and rule.heads % k == 0):
+            kind = "ring"  # the heads do not divide among the frame's ranks
+        kinds[name] = kind
+    return kinds
 
 
 # Plans made while putting back frames whose bands landed on one rank (each puts back at least one).

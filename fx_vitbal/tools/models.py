@@ -351,5 +351,6 @@ register_vision_encoder(
         exchange_layers=_full_attention_blocks,
         width=lambda vit: vit.config.hidden,
         compiled=True,
+        heads=lambda vit: vit.config.num_heads,
     ),
 )

@@ -110,11 +110,18 @@ class BandSupport:
     """Its ``forward`` also runs under ``torch.compile`` from the tensor form of ``Bands``
     (``unit_table`` and ``gather``; then it gets ``vitbal_bands`` on every step). Without it, a
     compiled call plans whole frames."""
+    heads: int | Callable[[nn.Module], int] = 0
+    """Attention heads of its layers (0: not said): a frame's ranks can then share them out
+    (``band_exchange="ulysses"``, when the heads divide among them); with ``Bands.attention``
+    only (a tower that only gathers gets gathered keys and values)."""
 
-    def of(self, vit: nn.Module) -> tuple[int, int, int, bool]:
-        """``(align rows, exchanging layers, width, compiled)`` of ``vit``."""
-        numbers = (self.align_rows, self.exchange_layers, self.width)
-        return (*(value(vit) if callable(value) else value for value in numbers), self.compiled)
+    def of(self, vit: nn.Module) -> tuple[int, int, int, bool, int]:
+        """``(align rows, exchanging layers, width, compiled, heads)`` of ``vit``."""
+        align, layers, width, heads = (
+            value(vit) if callable(value) else value
+            for value in (self.align_rows, self.exchange_layers, self.width, self.heads)
+        )
+        return align, layers, width, self.compiled, heads
 
 
 _REGISTRY: dict[type, VisionEncoderSpec] = {}

@@ -113,24 +113,25 @@ def planner_spec_for(
     config: BalanceConfig,
     architecture: ArchitectureCost | None,
     frame_independent: bool,
-    bands: "tuple[int, int, int, bool] | None" = None,
+    bands: "tuple[int, int, int, bool, int] | None" = None,
 ) -> str:
     """The planner spec of a ViT under ``config``: its cost model chosen from ``config`` and the
     ViT's architecture cost (None: unknown), frames split only if the ViT encodes them
     independently, bands only if it runs them (``bands``: its ``(align rows, exchanging layers,
-    key and value width, compiled too)``, ``vits.BandSupport``) and ``config.split_images``.
+    key and value width, compiled too, heads)``, ``BandSupport``) and ``config.split_images``.
     The one rule of every path (registered ViTs, Hugging Face towers)."""
     cost_model = choose_cost_model(config.cost_model, config.cost_coeffs, architecture)
     split = config.split_frames and frame_independent
     rule = None
     if bands is not None and config.split_images:
-        align, layers, width, compiled = bands
+        align, layers, width, compiled, heads = bands
         rule = BandRule(
             align=align,
             min_patches=config.min_band_patches,
             exchange_layers=layers,
             kv_bytes_per_patch=KV_BYTES * width,
             compiled=compiled,
+            heads=heads,
         )
     return planner_spec(dataclasses.replace(config, split_frames=split), cost_model, rule)
 
