@@ -265,6 +265,7 @@ def simulated_accelerator(compiled: bool = False, gloo: bool = False):
     simulation = _Simulation()
     record = simulation.record
     all_gather, all_to_all = collectives.all_gather, collectives.all_to_all
+    send_receive_ = collectives.send_receive
     tensor, as_tensor = torch.tensor, torch.as_tensor
     methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "to")}
     new_tensor = torch.Tensor.new_tensor
@@ -279,6 +280,15 @@ def simulated_accelerator(compiled: bool = False, gloo: bool = False):
         record["collectives"].append((phase(), "all_to_all"))
         all_to_all(output, input, output_splits, input_splits, group)
         simulation.on_accelerator(output)
+
+    def send_receive(messages, group):
+        if messages:  # a rank with no band of a split frame posts nothing
+            record["collectives"].append((phase(), "p2p"))
+        works = send_receive_(messages, group)
+        for send, buffer, _, _ in messages:
+            if not send:
+                simulation.on_accelerator(buffer)  # received "on the device"
+        return works
 
     def device(self):
         return DEVICE if simulation.on_device(self) else _DEVICE_PROPERTY.__get__(self)
@@ -346,6 +356,7 @@ def simulated_accelerator(compiled: bool = False, gloo: bool = False):
         (collectives, "exchange_device"): lambda group: DEVICE,
         (collectives, "all_gather"): gather,
         (collectives, "all_to_all"): exchange,
+        (collectives, "send_receive"): send_receive,
         (torch.Tensor, "device"): property(device),
         (torch.Tensor, "tolist"): read("tolist"),
         (torch.Tensor, "numpy"): read("numpy"),

@@ -183,10 +183,12 @@ def phase() -> str:
 def record_collectives():
     """Record every collective the library issues (its ``fx_vitbal.runtime.transport.collectives``
     seam), as ``(phase, name, input elements of a gather or input rows of an exchange, output
-    splits)``; phase is ``forward`` or ``backward`` (inside the autograd engine)."""
+    splits)``; phase is ``forward`` or ``backward`` (inside the autograd engine). A batch of
+    point-to-point messages (a band exchange among a frame's ranks) is ``(phase, "p2p",
+    messages, peers)``; a rank that posts none records nothing."""
     from fx_vitbal.runtime.transport import collectives
 
-    original = (collectives.all_gather, collectives.all_to_all)
+    original = (collectives.all_gather, collectives.all_to_all, collectives.send_receive)
     record = []
 
     def gather(output, input, group):
@@ -197,11 +199,18 @@ def record_collectives():
         record.append((phase(), "all_to_all", input.shape[0], tuple(output_splits)))
         original[1](output, input, output_splits, input_splits, group)
 
+    def send_receive(messages, group):
+        if messages:
+            peers = tuple(sorted({peer for _, _, peer, _ in messages}))
+            record.append((phase(), "p2p", len(messages), peers))
+        return original[2](messages, group)
+
     collectives.all_gather, collectives.all_to_all = gather, exchange
+    collectives.send_receive = send_receive
     try:
         yield record
     finally:
-        collectives.all_gather, collectives.all_to_all = original
+        collectives.all_gather, collectives.all_to_all, collectives.send_receive = original
 
 
 def assert_units_moved(results) -> None:

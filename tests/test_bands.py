@@ -238,11 +238,14 @@ def test_bands_give_the_unsplit_outputs_and_gradients_on_every_rank(world, windo
     _check(results, split_units={2: 2, 4: 4}[world])
     full_layers = 1 if windows else 3
     issued, whole = results[0]["issued"], results[0]["whole"]
-    # One exchange of keys and values per full-attention layer, forward and backward; the same
-    # batch unsplit has none (what steps without bands issue is test_host_syncs' to count).
-    assert issued.count(("forward", "all_to_all")) == 2 + full_layers
-    assert issued.count(("backward", "all_to_all")) == 2 + full_layers  # + pixel gradients
-    assert whole.count(("forward", "all_to_all")) <= 2
+    # Pixels out and outputs home; per full-attention layer, the frame's keys and values among
+    # its ranks only (point to point: one batch forward, two backward: gathered again, then
+    # their gradients home); the same batch unsplit exchanges none.
+    assert issued.count(("forward", "all_to_all")) == 2
+    assert issued.count(("backward", "all_to_all")) == 2  # + pixel gradients
+    assert issued.count(("forward", "p2p")) == full_layers
+    assert issued.count(("backward", "p2p")) == 2 * full_layers
+    assert whole.count(("forward", "all_to_all")) <= 2 and ("forward", "p2p") not in whole
 
 
 def _paths(rank: int, world: int) -> dict:
@@ -392,10 +395,13 @@ def test_compiled_fullgraph_steps_split_exactly_and_a_step_without_a_split_keeps
             assert graphs == 1, graphs
         split_step, other_step = (issued for _, _, issued in steps)
         assert other_step == res["whole"][0][1][2]  # no split: the collectives of whole frames
-        # Split: pixels out and outputs home, and one key/value exchange per full-attention
-        # layer (3); backward, the outputs' gradients out (the pixels need none) and the three.
-        assert split_step.count(("forward", "all_to_all")) == 2 + 3, split_step
-        assert split_step.count(("backward", "all_to_all")) == 1 + 3, split_step
+        # Split: pixels out and outputs home, and the key/value exchange of each full-attention
+        # layer among the frame's ranks (3, point to point); backward, the outputs' gradients
+        # out (the pixels need none) and the three.
+        assert split_step.count(("forward", "all_to_all")) == 2, split_step
+        assert split_step.count(("forward", "p2p")) == 3, split_step
+        assert split_step.count(("backward", "all_to_all")) == 1, split_step
+        assert split_step.count(("backward", "p2p")) == 3, split_step
     assert results[0]["split"][0][0][2] == results[1]["split"][0][0][2]  # lockstep
     for res in results:  # eagerly split, compiled whole: exact both ways
         embeds, want, splits = res["eager_bands_only"]

@@ -208,14 +208,18 @@ def _check_step(path: str, rank: int, step: int, record: dict, first: bool) -> N
     assert {r.split(":")[0] for r in record["syncs"]} <= files, context
     assert len(record["waits"]) == 1 and "status.py" in record["waits"][0], context
     assert record["mixed"] == [], context
-    forward = [name for phase, name in record["collectives"] if phase == "forward"]
-    bands = BAND_LAYERS if path == "bands" else 0  # one key/value exchange a layer
-    expected = ["all_gather"] * gathers + ["all_to_all"] * (1 + bands)
+    # A band's keys and values move among its frame's ranks only (point to point: one batch a
+    # layer forward, two backward); a rank without a band sends none.
+    bands = record["collectives"].count(("forward", "p2p"))
+    assert bands in ((0, BAND_LAYERS) if path == "bands" else (0,)), context
+    assert record["collectives"].count(("backward", "p2p")) == 2 * bands, context
+    forward = [n for phase, n in record["collectives"] if phase == "forward" and n != "p2p"]
+    expected = ["all_gather"] * gathers + ["all_to_all"]
     expected += (["all_gather"] if first else []) + ["all_to_all"]
     assert forward == expected, context
-    backward = Counter(phase for phase, _ in record["collectives"])["backward"]
+    backward = Counter(p for p, n in record["collectives"] if n != "p2p")["backward"]
     pixel_grads = step == PIXEL_GRADS_STEP and not path.startswith("hf_")
-    assert backward == 1 + pixel_grads + bands, context
+    assert backward == 1 + pixel_grads, context
 
 
 @pytest.mark.parametrize(
@@ -234,13 +238,20 @@ def test_every_other_way_in_costs_the_library_the_same(path, own_sets):
     pixels are made where the exchanges run, not beside the parameters), a windowed ViT (its
     window index regenerated from the plan's host copy of the grid), online costs with a stats
     callback, bf16 pixels, a group that gathers on the host (``cpu:gloo,cuda:nccl``) with the
-    batch on the device, a frame split into bands on every step (rank 2 text-only: one more
-    exchange a layer each way, on every rank), and Hugging Face VLMs (images and a video; the
+    batch on the device, a frame split into bands on every step (rank 2 text-only: its bands'
+    ranks exchange keys and values among themselves in every layer, the others nothing), and
+    Hugging Face VLMs (images and a video; the
     parent's feature code replayed): one read, one wait, the same collectives, no host tensor
     in a device op."""
     for rank, by_path in enumerate(own_sets):
         for step, record in enumerate(by_path[path]):
             _check_step(path, rank, step, record, first=step == 0)
+    if path == "bands":  # every step split the frame: some ranks exchanged its keys and values
+        for step in range(len(own_sets[0][path])):
+            exchanged = [
+                ("forward", "p2p") in by_path[path][step]["collectives"] for by_path in own_sets
+            ]
+            assert sum(exchanged) >= 2, (step, exchanged)
 
 
 # What the model's own code (the ViT, the tower, the parent) reads on the host in a steady step,

@@ -80,21 +80,23 @@ def band_attention(
     """The attention of one vision layer over ``[1, heads, S, head_dim]`` tensors packed by
     ``cu_seq_lens_q`` (transformers' varlen convention), returning ``([1, S, heads, head_dim],
     None)``: the tower's own implementation, per segment or in one varlen call; in a layer
-    attending over whole frames on a step with bands, over the keys and values
-    ``vitbal_bands.gather`` brings (a band's: its whole frame's). ``vitbal_lengths`` (per
-    segment, query and key rows) and ``vitbal_window_lengths`` come with the bands, from the
-    host; without them the segment lengths are read from ``cu_seq_lens_q``, as the tower's own
-    non-flash path reads them."""
+    attending over whole frames on a step with bands, the library's (``Bands.attention``: a
+    band's queries over its whole frame, by the exchange its plan chose). ``vitbal_lengths``
+    (per segment, query and key rows) and ``vitbal_window_lengths`` come with the bands, from
+    the host; without them the segment lengths are read from ``cu_seq_lens_q``, as the tower's
+    own non-flash path reads them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.qwen2_vl.modeling_qwen2_vl import eager_attention_forward
 
     name = module._vitbal_attention
     original = ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)
-    if vitbal_bands is not None and module._vitbal_exchanges:
-        rows = torch.cat([key, value], -1)[0].transpose(0, 1)  # one row per patch
-        key, value = vitbal_bands.gather(rows).transpose(0, 1)[None].chunk(2, -1)
-        queries, keys = map(list, zip(*vitbal_lengths, strict=True))
-    elif vitbal_lengths is not None:  # lengths from the host: a balanced call
+    if vitbal_bands is not None and module._vitbal_exchanges:  # the library attends
+        scale = query.shape[-1] ** -0.5
+        if scaling is not None and abs(scaling - scale) > 1e-12 * scale:
+            query = query * (scaling / scale)  # (Bands.attention scales by head_dim ** -0.5)
+        out = vitbal_bands.attention(query[0], key[0], value[0])  # [heads, S, head_dim]
+        return out.transpose(0, 1)[None].contiguous(), None
+    if vitbal_lengths is not None:  # lengths from the host: a balanced call
         queries = vitbal_window_lengths if not module._vitbal_exchanges else None
         queries = queries or [q for q, _ in vitbal_lengths]
         keys = queries

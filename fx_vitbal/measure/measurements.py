@@ -170,7 +170,9 @@ class Measurements:
                 self._clocks.append(clock)
         return clock
 
-    def stats(self, step, rank, plan, units_R, measured, exchange, deduplicated=0) -> BalanceStats:
+    def stats(
+        self, step, rank, plan, units_R, measured, exchange, deduplicated=0, band_exchanges=()
+    ) -> BalanceStats:
         model = self.cost_model()
         past = self._history.get(step)
         coeffs = None
@@ -202,6 +204,7 @@ class Measurements:
             exchange_bandwidth=1.0 / fitted[1] if fitted and fitted[1] > 0 else None,
             split_units=sum(is_band(u) for units in units_R for u in units),
             deduplicated_rows=deduplicated,
+            band_exchanges=tuple(band_exchanges),
         )
 
 

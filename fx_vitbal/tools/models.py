@@ -278,14 +278,8 @@ class QwenStyleViT(nn.Module):
                     return _patch_layout(key_grid, keys, m)[0]
 
                 full = (vitbal_bands, (frame_id, key_frames))
-            else:
-                units = vitbal_bands.units
-                lengths = [
-                    (u.rows * u.width, u.full_rows * u.width)
-                    for u in units
-                    for _ in range(u.frames)
-                ]
-                full = (vitbal_bands, lengths)
+            else:  # as Python: the library runs the whole-frame attention (Bands.attention)
+                full = (vitbal_bands, None)
         cos, sin = self._rotary(row, col, pixel_values.dtype)
         x = self.patch_embed(pixel_values)
 

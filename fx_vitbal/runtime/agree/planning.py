@@ -23,7 +23,7 @@ from fx_vitbal.plan.units import Plan
 from fx_vitbal.runtime.agree import handover
 from fx_vitbal.runtime.agree.metadata import gather_grids, settings_fingerprint
 from fx_vitbal.runtime.agree.replicas import routing_for_sets
-from fx_vitbal.runtime.bands.view import Bands, band_layout, whole_units
+from fx_vitbal.runtime.bands.view import Bands, band_layout, whole_attention, whole_units
 from fx_vitbal.runtime.transport import status, transfer
 from fx_vitbal.runtime.transport.collectives import group_ranks, resolve_group
 from fx_vitbal.runtime.transport.layouts import layout_key, layouts_agreed
@@ -197,18 +197,19 @@ def solve_for_rank(
     # The batch as the ViT gets it (``Bands``): its units, and on a step that splits a frame
     # the exchange of the frame's keys and values.
     if split:
-        band_units, layout = band_layout(planned, arrivals, rank, world_size, merge_size)
+        band_units, layout, attending = band_layout(planned, arrivals, rank, world_size, merge_size)
         layout = dataclasses.replace(layout, step=call_id)
         packed = layout.to_tensor()
-        kept.bands = Bands(band_units, packed, group.group_name)
+        kept.bands = Bands(band_units, packed, group.group_name, attending=attending)
         kept.band_layout = (packed, layout)
     else:
-        kept.bands = Bands(whole_units(rows), None, group.group_name)
-    deduplicated = planned.deduplicated_rows
+        units = whole_units(rows)
+        kept.bands = Bands(units, None, group.group_name, attending=whole_attention(units))
+    facts = (planned.deduplicated_rows, [planned.exchanges[n] for n in sorted(planned.frames)])
     defer(
         call_id,
         planned.note,
-        lambda: state.stats(step, rank, solved, units_R, measured, exchange_model, deduplicated),
+        lambda: state.stats(step, rank, solved, units_R, measured, exchange_model, *facts),
     )
     if not route.applied:  # nothing moves: the gather was the call's last collective
         publish(call_id)

@@ -1,9 +1,10 @@
 """The exchange of a split frame's keys and values between the ranks computing its bands
 (``vitbal::band_gather``, and its adjoint ``vitbal::band_scatter``), laid out by ``BandLayout``.
 
-Each is one ``all_to_all`` over the balancing group, issued by every rank in the same layers in
-the same order (``fx_vitbal.runtime.bands.view`` says why); on a step that splits nothing (the
-layout's ``exchange`` is False: a compiled tower gathers on every step) neither runs one.
+Each is one batch of point-to-point messages among the ranks that share a frame
+(``bands.p2p``), in the same layers in the same order on every rank of the frame; a rank without
+a band of a split frame sends and receives nothing. On a step that splits nothing (the layout's
+``exchange`` is False: a compiled tower gathers on every step) no message moves.
 """
 
 import dataclasses
@@ -11,7 +12,7 @@ import dataclasses
 import torch
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
-from fx_vitbal.runtime.transport import collectives
+from fx_vitbal.runtime.bands.p2p import Phase
 from fx_vitbal.runtime.transport.collectives import resolve_group
 from fx_vitbal.runtime.transport.state import state_holding
 
@@ -80,11 +81,7 @@ def band_gather(x: torch.Tensor, layout: torch.Tensor, group_name: str) -> torch
         return x.clone(memory_format=torch.contiguous_format)  # the layout the fake promises
     flat = x.reshape(x.shape[0], -1)
     sent = _rows(flat, plan.send)
-    arrived = flat.new_empty(sum(plan.out_splits), flat.shape[1])
-    collectives.all_to_all(
-        arrived, sent.contiguous(), plan.out_splits, plan.in_splits, resolve_group(group_name)
-    )
-    chunks = arrived.split(plan.out_splits)
+    chunks = _exchange(sent, plan.in_splits, plan.out_splits, resolve_group(group_name))
     parts = [flat[a:b] if s == LOCAL else chunks[s][a:b] for s, a, b in plan.pieces]
     out = torch.cat(parts) if parts else flat[:0].clone()
     return out.reshape(out.shape[0], *x.shape[1:])
@@ -118,9 +115,8 @@ def band_scatter(
         else:
             back[s][a:b] += piece
     sent = torch.cat(back) if back else flat[:0]
-    returned = flat.new_empty(sum(plan.in_splits), flat.shape[1])
-    collectives.all_to_all(
-        returned, sent.contiguous(), plan.in_splits, plan.out_splits, resolve_group(group_name)
+    returned = torch.cat(
+        _exchange(sent, plan.out_splits, plan.in_splits, resolve_group(group_name))
     )
     first = 0
     for a, b in plan.send:
@@ -141,6 +137,23 @@ def band_layout_of(layout: torch.Tensor) -> BandLayout:
     if state is not None and state.band_layout is not None and state.band_layout[0] is layout:
         return state.band_layout[1]
     return BandLayout.from_tensor(layout)
+
+
+def _exchange(sent: torch.Tensor, send_splits, receive_splits, group) -> list[torch.Tensor]:
+    """``sent``'s rows to each rank by ``send_splits``, and each rank's rows by
+    ``receive_splits`` (a list, one chunk per rank: empty where nothing comes), point to point
+    with the ranks it shares a frame with only (``bands.p2p``): a rank without a band of a
+    split frame sends and receives nothing."""
+    phase = Phase(group)
+    for peer, chunk in enumerate(sent.split(send_splits)):
+        if chunk.shape[0]:
+            phase.send(chunk, peer, frame=0)
+    chunks = [
+        phase.recv((n, sent.shape[1]), sent, peer, frame=0) if n else sent[:0]
+        for peer, n in enumerate(receive_splits)
+    ]
+    phase.start().wait()
+    return chunks
 
 
 def _rows(flat: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:

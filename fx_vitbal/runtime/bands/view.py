@@ -21,11 +21,15 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.plan.step import StepPlan
+from fx_vitbal.runtime.bands.blocks import AttentionLayout, AttentionUnit, FrameBand
 from fx_vitbal.runtime.bands.exchange import LOCAL, BandLayout
+from fx_vitbal.runtime.bands.kinds import band_attention
 from fx_vitbal.runtime.transport import transfer
+from fx_vitbal.runtime.transport.collectives import resolve_group
 from fx_vitbal.runtime.transport.moves import merged_ranges
 from fx_vitbal.runtime.transport.state import route_of, state_of_routing
 
@@ -73,11 +77,15 @@ class Bands:
         layout: torch.Tensor | None,
         group_name: str,
         table: torch.Tensor | None = None,
+        attending: AttentionLayout | None = None,
     ) -> None:
         self.units = units
         self.layout = layout
         self.group_name = group_name
         self.table = table
+        self.attending = attending
+        """For ``attention``: each local frame's rows, a band's place among its frame's ranks
+        and the frame's exchange kind; None where a rank computes two bands of one frame."""
 
     @property
     def split(self) -> bool:
@@ -112,6 +120,29 @@ class Bands:
         if torch.compiler.is_compiling():  # every rank computes a unit: a compiler cannot know
             torch._check(rows.shape[0] >= 1)
         return rows
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of every local patch's query over its frame's keys: its own frame's rows
+        for a whole unit (each of its frames on its own), the whole frame's for a band; ``q``,
+        ``k``, ``v`` ``[heads, local rows, head_dim]`` in batch order, the result alike (scale
+        ``head_dim ** -0.5``, no mask inside a frame). In place of ``gather`` in a layer that
+        attends over whole frames: the library then runs the exchange each split frame's plan
+        chose (``BalanceConfig.band_exchange``: gather, ulysses, ring; ``bands.kinds``), among
+        the frame's ranks only, and autograd keeps only this rank's own rows (memory falls as
+        1/k). A rank with no band of a split frame sends nothing; every rank of the group still
+        calls it in the same layers (its tower runs anyway). Eager only: a compiled tower
+        gathers (its tensor form has no units)."""
+        if self.attending is not None:
+            return band_attention(q, k, v, self.attending, resolve_group(self.group_name))
+        # Two bands of one frame on this rank: gathered keys, each frame's attention apart.
+        kv = self.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
+        keys, values = kv.chunk(2, -1)
+        queries = [u.rows * u.width for u in self.units for _ in range(u.frames)]
+        lengths = [u.full_rows * u.width for u in self.units for _ in range(u.frames)]
+        parts = zip(
+            q.split(queries, 1), keys.split(lengths, 1), values.split(lengths, 1), strict=True
+        )
+        return torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in parts], 1)
 
 
 class _OneProcess(Bands):
@@ -179,6 +210,12 @@ def _(routing, grid):
     return grid.new_empty(grid.shape[0], 5, dtype=torch.int64), layout
 
 
+def whole_attention(units: Sequence[BandUnit]) -> AttentionLayout:
+    """The ``AttentionLayout`` of a batch of whole units: each frame on its own."""
+    frames = [AttentionUnit(rows=u.rows * u.width) for u in units for _ in range(u.frames)]
+    return AttentionLayout(units=tuple(frames))
+
+
 def whole_units(rows: Sequence[Sequence[int]]) -> list[BandUnit]:
     """The ``BandUnit``s of a batch of whole units, from its grid rows ``(t, h, w)``."""
     return [BandUnit(t, h, 0, h, w) for t, h, w in rows]
@@ -190,8 +227,9 @@ def band_layout(
     rank: int,
     world: int,
     merge_size: int,
-) -> tuple[list[BandUnit], BandLayout]:
-    """This rank's ``BandUnit``s and exchange under a plan.
+) -> tuple[list[BandUnit], BandLayout, AttentionLayout | None]:
+    """This rank's ``BandUnit``s, the exchange ``gather`` runs, and the ``attention_layout``
+    under a plan.
 
     Args:
         planned: the step's plan (``plan.step.StepPlan``): every owner's units (an owner is a
@@ -251,7 +289,38 @@ def band_layout(
                 pieces.append((LOCAL, starts[k], starts[k + 1]))
             else:
                 pieces.append(arrived[(o, b)])
-    return units, BandLayout(merged_ranges(send), in_splits, out_splits, _merged_pieces(pieces))
+    layout = BandLayout(merged_ranges(send), in_splits, out_splits, _merged_pieces(pieces))
+    return units, layout, attention_layout(planned, arrivals, rank, merge_size)
+
+
+def attention_layout(
+    planned: StepPlan, arrivals: Sequence[tuple[int, int]], rank: int, merge_size: int
+) -> AttentionLayout | None:
+    """This rank's ``AttentionLayout`` under a plan (``band_layout``'s arguments): each frame
+    of its units in batch order, a band with its frame's ranks in band order, their rows and
+    the frame's exchange kind; frame ids number the split frames in name order, alike on every
+    rank. None when this rank computes two bands of one frame (``Bands.attention`` gathers)."""
+    ids = {name: n for n, name in enumerate(sorted(planned.frames))}
+    frame_of = {(name[0], i): name for name, indices in planned.frames.items() for i in indices}
+    units = [] if arrivals else [AttentionUnit(rows=merge_size * merge_size)]
+    for o, i in arrivals:
+        u = planned.units_O[o][i]
+        if (o, i) not in frame_of:
+            units += [AttentionUnit(rows=u[1] * u[2])] * u[0]  # its frames, each on its own
+            continue
+        name = frame_of[(o, i)]
+        ranks = tuple(planned.computed_by(o, b) for b in planned.frames[name])
+        if len(set(ranks)) < len(ranks):
+            return None
+        band = FrameBand(
+            frame=ids[name],
+            kind=planned.exchanges.get(name, "gather"),
+            ranks=ranks,
+            index=ranks.index(rank),
+            band_rows=tuple(planned.rows_O[o][b] for b in planned.frames[name]),
+        )
+        units.append(AttentionUnit(rows=u.h * u.w, band=band))
+    return AttentionLayout(units=tuple(units))
 
 
 def _merged_pieces(pieces) -> list[tuple[int, int, int]]:

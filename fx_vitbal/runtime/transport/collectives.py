@@ -33,6 +33,24 @@ def all_to_all(
     dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
 
 
+def send_receive(
+    messages: list[tuple[bool, torch.Tensor, int, int]], group: dist.ProcessGroup
+) -> list:
+    """Post point-to-point ``messages`` (``(send, tensor, peer, tag)``: a send, else a receive
+    into ``tensor``; peers as ranks of ``group``) as one batch, in order; returns the works to
+    wait for. No message posts nothing: a rank outside every exchange of a step stays out of
+    it (the exchanges of bands run among a frame's ranks only, ``bands.p2p``)."""
+    ops = [
+        dist.P2POp(dist.isend if send else dist.irecv, tensor, _global(group, peer), group, tag)
+        for send, tensor, peer, tag in messages
+    ]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _global(group: dist.ProcessGroup, peer: int) -> int:
+    return dist.get_global_rank(group, peer)
+
+
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The process group registered under ``group_name``."""
     return dist.distributed_c10d._resolve_process_group(group_name)
