@@ -1,36 +1,44 @@
 """Row bands of one frame across ranks, in the runtime's planner, printed as Markdown tables.
 
-1. Makespan over the mean load, whole units (frames) against bands, on sampled steps: the
-   realistic mix, replica sets (one plan across the group), a documents mix with 4K pages, and
-   torchtitan's image sizes (one 2016 px or 4032 px image among small ones). Costs are
-   Qwen2-VL-7B's ViT (``ArchitectureCost``: d 1280, 32 full-attention layers) in
-   multiply-accumulates; a band's exchange is priced at H100 NVLink rates (``plan.bands``), and
-   every rank pays the per-layer collectives of a step with bands. Also: frames split, the
-   fullest rank's pixel rows over the mean, and the largest keys and values a band rank gathers
-   and keeps for the backward (bf16, every layer).
-2. The speed-up the same cost model projects for one image of N patches on k ranks (NVLink, one
-   InfiniBand NIC), beside torchtitan's measured Kimi K3 figures (``../shared/notes/bands.md``).
+1. At cluster scale (8 ranks a node unless ``--ranks-per-node``): makespan over the mean load,
+   whole frames against bands, for Qwen2-VL-7B's ViT (``ArchitectureCost``: d 1280, 32 layers
+   that attend over whole frames, 16 heads) in forward multiply-accumulates, each split frame's
+   exchange priced where its bands sit (``plan.band_prices``: H100 NVLink inside a node, one
+   InfiniBand NIC a GPU across) and chosen per frame. The mean is of the whole frames' costs,
+   so a band's exchange counts against the makespan. Steps: two 4K pages among photos
+   (``documents``) on 512 and 2048 ranks, one 4032 px image among 2048 x 2 small images
+   (``one_large``), the simulator's documents mix at 1 and 2 images a rank. Also: frames
+   split, bands a frame, exchanges, the bytes they move per step inside and across nodes, the
+   most activation memory one rank holds (``cost.memory``), and the planning time of each.
+2. The smaller steps of the first bands benchmark (same model, same columns).
+3. One image split into k bands: its exchange by kind and the projected speed-up, inside a node
+   and across nodes, beside torchtitan's measured Kimi K3 figures (``../shared/notes/bands.md``).
 
-    python benchmarks/bands.py [--seeds 3]
+No timed assertion: the tables are printed.
+
+    python benchmarks/bands.py [--seeds 3] [--ranks-per-node 8] [--repeats 3]
 """
 
 import argparse
-import math
+import collections
+import gc
 import random
 import statistics
+import time
 
 from fx_vitbal.config import BalanceConfig
+from fx_vitbal.cost.memory import held_bytes_per_patch
 from fx_vitbal.plan import bands
 from fx_vitbal.plan import step as planning
-from fx_vitbal.plan.units import is_band, unit_rows
-from fx_vitbal.runtime.vit.settings import KV_BYTES, plan_settings, planner_spec_for
-from fx_vitbal.tools.simulate import QWEN2_VL_7B
+from fx_vitbal.plan.band_prices import exchange_prices, step_traffic
+from fx_vitbal.plan.units import unit_rows
+from fx_vitbal.runtime.vit.settings import plan_settings, planner_spec_for
+from fx_vitbal.tools.simulate import QWEN2_VL_7B, QWEN2_VL_7B_BANDS
 from fx_vitbal.tools.workloads import sample_batches, sample_grid
 
-WIDTH, LAYERS = QWEN2_VL_7B.hidden, QWEN2_VL_7B.depth
-SUPPORT = (2, LAYERS, WIDTH, False, 16)  # merge rows; every layer attends over whole frames
 PAGE_4K = [1, 274, 154]  # 3840 x 2160 px in 14 px patches: 42,196 patches
 TITAN_2016, TITAN_4032 = [1, 144, 144], [1, 288, 288]  # 20,736 and 82,944 patches
+HELD = held_bytes_per_patch(QWEN2_VL_7B)
 
 
 def realistic(ranks: int, per_rank: int, seed: int) -> list[list[list[int]]]:
@@ -38,11 +46,16 @@ def realistic(ranks: int, per_rank: int, seed: int) -> list[list[list[int]]]:
 
 
 def documents(ranks: int, per_rank: int, seed: int) -> list[list[list[int]]]:
-    """Small images and photos, and two 4K pages on the first ranks."""
+    """Photos, and two 4K pages on the first ranks."""
     grids = sample_batches(ranks, per_rank, mix="photos", seed=seed)
     grids[0].append(PAGE_4K)
     grids[1 % ranks].append(PAGE_4K)
     return grids
+
+
+def documents_mix(ranks: int, per_rank: int, seed: int) -> list[list[list[int]]]:
+    """The simulator's ``documents`` mix: 60% thumbnails, 40% 1.5-2.8k px scans."""
+    return sample_batches(ranks, per_rank, mix="documents", seed=seed)
 
 
 def one_large(image: list[int]):
@@ -55,65 +68,115 @@ def one_large(image: list[int]):
     return sample
 
 
-# (label, sampler, ranks, images per rank or set, replicas per set)
-ROWS = [
-    ("realistic, 8 ranks x 4", realistic, 8, 4, 1),
-    ("realistic, 64 ranks x 8", realistic, 64, 8, 1),
-    ("replica sets, 8 x 2, ~4 a set", realistic, 16, 4, 2),
-    ("replica sets, 64 x 4, ~8 a set", realistic, 256, 8, 4),
-    ("documents: two 4K pages among photos, 16 ranks x 4", documents, 16, 4, 1),
-    ("one 2016 px image among small ones, 4 ranks x 2", one_large(TITAN_2016), 4, 2, 1),
-    ("one 4032 px image among small ones, 4 ranks x 2", one_large(TITAN_4032), 4, 2, 1),
-    ("one 4032 px image among small ones, 8 ranks x 2", one_large(TITAN_4032), 8, 2, 1),
+# (label, sampler, ranks, images per rank or set, replicas per set, target, measured before)
+AT_SCALE = [
+    ("two 4K pages among photos, 512 ranks x 4", documents, 512, 4, 1, 1.15, 1.43),
+    ("two 4K pages among photos, 2048 ranks x 4", documents, 2048, 4, 1, 1.15, 1.48),
+    ("one 4032 px image among 2048 x 2 small ones", one_large(TITAN_4032), 2048, 2, 1, 1.5, 9.61),
+    ("documents mix, 512 ranks x 1", documents_mix, 512, 1, 1, 1.15, None),
+    ("documents mix, 512 ranks x 2", documents_mix, 512, 2, 1, 1.15, None),
+    ("documents mix, 2048 ranks x 1", documents_mix, 2048, 1, 1, 1.15, None),
+    ("documents mix, 2048 ranks x 2", documents_mix, 2048, 2, 1, 1.15, None),
+]
+SMALL = [
+    ("realistic, 8 ranks x 4", realistic, 8, 4, 1, None, 1.02),
+    ("realistic, 64 ranks x 8", realistic, 64, 8, 1, None, 1.01),
+    ("replica sets, 8 x 2, ~4 a set", realistic, 16, 4, 2, None, 1.04),
+    ("replica sets, 64 x 4, ~8 a set", realistic, 256, 8, 4, None, 1.08),
+    ("two 4K pages among photos, 16 ranks x 4", documents, 16, 4, 1, None, 1.06),
+    ("one 2016 px image among small ones, 4 ranks x 2", one_large(TITAN_2016), 4, 2, 1, None, 1.07),
+    ("one 4032 px image among small ones, 4 ranks x 2", one_large(TITAN_4032), 4, 2, 1, None, 1.04),
+    ("one 4032 px image among small ones, 8 ranks x 2", one_large(TITAN_4032), 8, 2, 1, None, 1.07),
 ]
 
 
-def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None) -> dict:
-    """Plan one step as the runtime does; the makespan over the mean load and what bands cost."""
+def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None, repeats: int) -> dict:
+    """Plan one step as the runtime does (the fastest of ``repeats`` plans timed, the garbage
+    collector on, as in a training step); the makespan over the mean and what bands cost."""
     config = BalanceConfig(split_images=split, ranks_per_node=ranks_per_node)
-    spec = planner_spec_for(config, QWEN2_VL_7B, True, SUPPORT)
+    settings = plan_settings(planner_spec_for(config, QWEN2_VL_7B, True, QWEN2_VL_7B_BANDS))
     ranks = len(grids) * replicas
     sets = None
     if replicas > 1:  # every replica of a set holds the set's grids
         sets = [tuple(range(s * replicas, (s + 1) * replicas)) for s in range(len(grids))]
         grids = [grids[r // replicas] for r in range(ranks)]
-    scale = bands.exchange_scale(False)
-    planned = planning.plan_step(grids, plan_settings(spec), sets)  # priced at NVLink
-    plan, units_R = planned.plan, planned.units_R
-    owners = units_R if sets is None else [units for units in units_R]
-    costs = [
-        QWEN2_VL_7B(1, u[3], u[2]) * u[1] / u[3] if is_band(u) else QWEN2_VL_7B(*u)
-        for units in owners
-        for u in units
+    seconds = []
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        planned = planning.plan_step(grids, settings, sets)
+        seconds.append(time.perf_counter() - start)
+    plan = planned.plan
+    whole = [
+        QWEN2_VL_7B(*u)
+        for units in (grids if sets is None else grids[::replicas])
+        for t, h, w in units
+        for u in [(1, h, w)] * t
     ]
-    mean = sum(costs) / ranks
-    split_units = [u for units in units_R for u in units if is_band(u)]
-    span = max(plan.loads_after if plan.applied else plan.loads_before)
-    if split_units:  # every rank waits out the per-layer collectives
-        span += 2 * LAYERS * scale[1]
-    rows = [0] * ranks
-    for d, assigned in enumerate(plan.assignment):
-        rows[d] = sum(unit_rows(units_R[src][idx]) for src, idx in assigned)
-    gathered = max(((u.full_h - u.h) * u.w for u in split_units), default=0)
+    mean = sum(whole) / ranks
+    rows = [
+        sum(unit_rows(planned.units_R[s][i]) for s, i in assigned) for assigned in plan.assignment
+    ]
+    inside, across = step_traffic(planned, settings.band_rule, ranks_per_node or ranks)
     return {
-        "makespan": span / mean,
-        "bound": max(1.0, max(costs) / mean),
-        "frames": sum(u.first_row == 0 for u in split_units),
-        "rows": max(rows) / (sum(rows) / ranks),
-        "kv_gb": gathered * KV_BYTES * WIDTH * LAYERS / 2**30,
+        "makespan": max(plan.loads_after if plan.applied else plan.loads_before) / mean,
+        "bound": max(whole) / mean,
+        "frames": len(planned.frames),
+        "bands": max(map(len, planned.frames.values()), default=0),
+        "kinds": collections.Counter(planned.exchanges.values()),
+        "inside": inside / 1e9,
+        "across": across / 1e9,
+        "held": max(rows) * HELD / 2**30,
+        "ms": min(seconds) * 1e3,
     }
 
 
-def projection(patches: int, ranks: int, bytes_per_second: float) -> float:
-    """Projected speed-up of one image of ``patches`` patches split into ``ranks`` bands:
-    forward + backward MACs (3x forward) over the rate, against a band's share plus its
-    exchange (each layer: one collective and the other bands' keys and values, both ways)."""
-    side = math.isqrt(patches)
-    training = bands.TRAINING_MACS_PER_FORWARD_MAC
-    compute = training * QWEN2_VL_7B(1, side, patches // side) / bands.MACS_PER_SECOND
-    other = patches * (ranks - 1) / ranks
-    per_layer = bands.COLLECTIVE_SECONDS + other * KV_BYTES * WIDTH / bytes_per_second
-    return compute / (compute / ranks + 2 * LAYERS * per_layer)
+def table(rows, seeds: int, ranks_per_node: int, repeats: int) -> None:
+    print(
+        "| step | whole frames | bands | target (before) | lone unit bound | frames split | "
+        "most bands a frame | exchanges | band GB/step inside / across | peak activations GiB, "
+        "whole -> bands | planning ms, whole / bands (x) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|")
+    for label, sampler, ranks, per, replicas, target, before in rows:
+        whole, split = [], []
+        for seed in range(seeds):
+            grids = sampler(ranks // replicas, per, seed)
+            whole.append(plan_step(grids, replicas, False, ranks_per_node, repeats))
+            split.append(plan_step(grids, replicas, True, ranks_per_node, repeats))
+
+        def mean(runs, key):
+            return statistics.fmean(run[key] for run in runs)
+
+        kinds = sum((run["kinds"] for run in split), collections.Counter())
+        kinds = ", ".join(f"{k} {n / seeds:.1f}" for k, n in sorted(kinds.items()))
+        goal = f"<= {target:.2f}" if target else ""
+        goal += f" ({before:.2f})" if before else ""
+        ms_whole, ms_split = mean(whole, "ms"), mean(split, "ms")
+        print(
+            f"| {label} | {mean(whole, 'makespan'):.2f} | {mean(split, 'makespan'):.3f} | "
+            f"{goal} | {mean(whole, 'bound'):.2f} | {mean(split, 'frames'):.1f} | "
+            f"{max(run['bands'] for run in split)} | {kinds or '-'} | "
+            f"{mean(split, 'inside'):.1f} / {mean(split, 'across'):.1f} | "
+            f"{mean(whole, 'held'):.1f} -> {mean(split, 'held'):.1f} | "
+            f"{ms_whole:.1f} / {ms_split:.1f} "
+            f"({ms_split / ms_whole:.1f}x) |"
+        )
+
+
+def projection(patches: int, k: int, across: bool) -> tuple[str, float]:
+    """The cheapest exchange of one image of ``patches`` patches in ``k`` even bands, inside a
+    node or each band on a node of its own, and the projected speed-up of its forward and
+    backward (compute / (a band's compute + its exchange))."""
+    side = int(patches**0.5)
+    rule = bands.BandRule(
+        align=2, min_patches=64, exchange_layers=32, kv_bytes_per_patch=4 * 1280, heads=16
+    )
+    prices = exchange_prices(rule, macs=True, ranks_per_node=8)
+    sizes = [b.h * b.w for b in rule.bands((1, side, patches // side), k)]
+    kind, priced = prices.cheapest(sizes, tuple(range(k)) if across else None)
+    cost = QWEN2_VL_7B(1, side, patches // side)
+    return kind, cost / (cost * max(sizes) / sum(sizes) + max(priced))
 
 
 TORCHTITAN = {  # 4 x H100, 27-layer dim-1024 tower, forward + backward seconds (PR #4380)
@@ -128,44 +191,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 to N-1 (means are printed)")
     parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="plans timed a step (fastest)")
     args = parser.parse_args()
-    print("\nMakespan / mean load, whole frames -> bands (means over seeds; ranks per node:")
-    print(f"{args.ranks_per_node}; a lone unit's bound is its cost / mean):\n")
+    rpn = args.ranks_per_node
+    print(f"\n1. At scale: makespan / mean load, whole frames -> bands ({rpn} ranks a node; means")
+    print(f"over {args.seeds} seeds; target and, in brackets, bands measured before):\n")
+    table(AT_SCALE, args.seeds, rpn, args.repeats)
+    print(f"\n2. Smaller steps ({rpn} ranks a node; in brackets: bands measured before):\n")
+    table(SMALL, args.seeds, rpn, args.repeats)
     print(
-        "| step | whole frames | bands | lone unit bound | frames split | peak rows / mean, "
-        "whole -> bands | keys and values gathered, GB (bf16) |"
+        "\n3. One image in k bands (Qwen2-VL-7B's ViT, H100 at "
+        f"{bands.MACS_PER_SECOND:.0e} MAC/s): the cheapest exchange and the projected speed-up, "
+        "inside a node (NVLink) and each band on a node of its own (one IB NIC a GPU), beside "
+        "torchtitan's measured Kimi K3 tower on 4 x H100:\n"
     )
-    print("|---|---:|---:|---:|---:|---|---:|")
-    for label, sampler, ranks, per, replicas in ROWS:
-        whole, split = [], []
-        for seed in range(args.seeds):
-            grids = sampler(ranks // replicas, per, seed)
-            whole.append(plan_step(grids, replicas, False, args.ranks_per_node))
-            split.append(plan_step(grids, replicas, True, args.ranks_per_node))
-
-        def mean(runs, key):
-            return statistics.fmean(run[key] for run in runs)
-
-        print(
-            f"| {label} | {mean(whole, 'makespan'):.2f} | {mean(split, 'makespan'):.2f} | "
-            f"{mean(whole, 'bound'):.2f} | {mean(split, 'frames'):.1f} | "
-            f"{mean(whole, 'rows'):.2f} -> {mean(split, 'rows'):.2f} | "
-            f"{mean(split, 'kv_gb'):.2f} |"
-        )
-    print(
-        "\nProjected speed-up of one image split into k bands (Qwen2-VL-7B's ViT, H100 at "
-        f"{bands.MACS_PER_SECOND:.0e} MAC/s, {bands.COLLECTIVE_SECONDS * 1e6:.0f} us a "
-        "collective), and torchtitan's measured Kimi K3 tower on 4 x H100:\n"
-    )
-    print("| patches | k | NVLink (350 GB/s) | one IB NIC (48 GB/s) | torchtitan measured |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| patches | k | one node | across nodes | torchtitan measured |")
+    print("|---:|---:|---|---|---:|")
     for patches in (16_384, 20_736, 65_536, 82_944):
-        for ranks in (2, 4, 8):
-            nvlink = projection(patches, ranks, bands.NVLINK_BYTES_PER_SECOND)
-            ib = projection(patches, ranks, bands.INFINIBAND_BYTES_PER_SECOND)
-            measured = TORCHTITAN.get((patches, ranks))
-            cell = f"{measured:.2f}x" if measured else ""
-            print(f"| {patches:,} | {ranks} | {nvlink:.2f}x | {ib:.2f}x | {cell} |")
+        for k in (2, 4, 8, 16):
+            cells = []
+            for across in (False, True):
+                kind, speedup = projection(patches, k, across)
+                cells.append(f"{speedup:.2f}x ({kind})")
+            measured = TORCHTITAN.get((patches, k))
+            got = f"{measured:.2f}x" if measured else ""
+            print(f"| {patches:,} | {k} | {cells[0]} | {cells[1]} | {got} |")
 
 
 if __name__ == "__main__":

@@ -81,3 +81,66 @@ def test_ranks_per_node_reports_inter_node_rows_next_to_node_blind_planning(caps
     assert "GB at Qwen2-VL-7B widths" in out["node-blind inter-node rows"]
     after = _arrow(out["makespan / lower bound"])[1]
     assert after <= float(out["node-blind makespan / lower bound"]) * 1.005 + 1e-3
+
+
+def test_add_image_puts_a_4032_px_image_on_the_first_rank_and_bands_split_it(capsys):
+    """One 4032 px image (288 x 288 patches) added to a 64-rank step, 8 ranks a node: the
+    simulator plans bands as ``--dp-balance-split-images-vit`` (on by default) asks, cuts the
+    image across nodes, and reports its bands, their exchange, the bytes they move inside and
+    across nodes and the memory the fullest rank holds; without the flag it keeps it whole."""
+    argv = ["--ranks", "64", "--images-per-rank", "2", "--ranks-per-node", "8"]
+    out = _run(capsys, *argv, "--add-image", "1", "288", "288")
+    split = re.match(r"1 \(bands per frame: (\d+) x1; exchanges: (\w+) x1\)", out["frames split"])
+    assert split is not None, out["frames split"]
+    bands, kind = int(split.group(1)), split.group(2)
+    assert bands > 8 and kind in ("gather", "ulysses", "ring")  # more than a node's ranks
+    assert f", {bands} of them bands)" in out["units"]
+    inside, across = map(
+        float,
+        re.match(
+            r"([\d.]+) GB inside nodes, ([\d.]+) GB across",
+            out["band exchange bytes per step (8 ranks a node)"],
+        ).groups(),
+    )
+    assert across > 0
+    held_before, held_after = _arrow(out["most activation memory on one rank"])
+    assert held_after < held_before / 3  # 82,944 patches no longer on one rank
+    assert _speedup(out["predicted ViT step speed-up"]) > 5
+    whole = _run(
+        capsys, *argv, "--add-image", "1", "288", "288", "--no-dp-balance-split-images-vit"
+    )
+    assert "frames split" not in whole
+    assert _speedup(whole["predicted ViT step speed-up"]) < 1.1
+    assert _arrow(whole["most activation memory on one rank"])[1] == held_before
+
+
+def test_add_image_is_repeatable_and_checked(capsys):
+    main(
+        [
+            "--ranks",
+            "4",
+            "--images-per-rank",
+            "0",
+            "--add-image",
+            "1",
+            "8",
+            "8",
+            "--add-image",
+            "2",
+            "16",
+            "16",
+        ]
+    )
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.endswith("+[1, 8, 8] on rank 0, +[2, 16, 16] on rank 0")
+    assert dict(line.split(": ", 1) for line in lines)["units"].startswith("3 (frames")
+    with pytest.raises(SystemExit):
+        main(["--ranks", "4", "--add-image", "1", "7", "8"])  # a 2x2 merge needs even sides
+
+
+def test_simulation_with_bands_reports_what_the_runtime_would_plan(capsys):
+    sim = simulate(16, 2, mix="documents", config=BalanceConfig(ranks_per_node=8))
+    blind = simulate(16, 2, mix="documents", config=BalanceConfig(split_images=False))
+    assert sim.step.frames and not blind.step.frames
+    assert max(sim.loads_after) < max(blind.loads_after)
+    assert sum(sim.band_bytes) > 0

@@ -6,7 +6,11 @@ unit lists, each made when first read), ``units`` (the flat unit arrays, the fix
 one), ``shed`` (which units overloaded ranks shed), ``greedy`` (LPT and the refinement),
 ``min_move`` (best-fit and min-move's attempts), ``nodes`` (node-aware min-move), ``solve``
 (``solve_plan``: the candidates and the choice), ``replicas`` (replica sets: ranks holding the
-same batch, reduced to one ``solve_plan`` over holdings, ``solve_for_sets``).
+same batch, reduced to one ``solve_plan`` over holdings, ``solve_for_sets``); then the bands of
+frames split across ranks: ``bands`` (the rule), ``band_prices`` (their exchanges, by kind and
+place), ``band_plan`` (which frames are cut and how), ``band_fill`` and ``band_nodes`` (bands on
+a cluster of nodes), ``band_gaps`` (uneven cuts); and ``step``, the planning step of one call
+over all of them (``plan_step``).
 
 Deterministic: every rank runs ``solve_plan`` on the same gathered input and must get the same
 answer. Decisions are made on integer fixed-point costs, whose sums are exact in any order (so

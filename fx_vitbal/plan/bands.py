@@ -1,28 +1,49 @@
-"""Bands: a frame that would bind the step alone, split into row bands computed on several ranks.
+"""Bands: a frame cut into row bands computed on several ranks.
 
 With whole units a step is never faster than its costliest unit, and one huge image can run its
 rank out of memory. A *band* (``Band``) is a run of whole rows of one frame, starting at a
 multiple of the tower's alignment (its merge rows, or its window rows where it has windowed
 layers, so that every window stays whole); each band is computed on a rank of its own, and in the
-tower's full-attention layers the band ranks exchange keys and values so every band attends over
-the whole frame (``fx_vitbal.runtime.bands.view``).
+tower's full-attention layers the band ranks exchange what attention over the whole frame needs
+(``fx_vitbal.runtime.bands``: gather, ulysses or ring, chosen per frame).
 
 To the planner a band is one more unit, with its rows and its cost: the frame's cost shared by
 rows (a band of ``n`` of the frame's ``N`` rows attends from ``n`` queries to ``N`` keys, so its
 attention pairs ``n*N`` sum to the frame's ``N**2``, and its linear work is its rows), plus the
-price of its exchange when the cost model has a scale for bytes (``BandRule.price``). Granularity
-goes cheapest first: whole units and frames (``solve_plan``), then bands of every frame that
-binds the step alone, kept only when the predicted makespan falls by ``min_gain``.
+price of its exchange where its ranks sit (``plan.band_prices``), when the cost model has a scale
+for bytes.
+
+[Note: how bands are planned] (``plan.step.solve_with_bands``; the parts in ``plan.band_*``)
+
+1. Cuts (``band_plan.plan_cuts``): every frame costing more than the mean load (it binds the
+   step) is cut into the fewest even bands whose share plus exchange (``band_prices``: the
+   cheapest kind, priced as if the bands filled as few nodes as they can) comes to the mean, up
+   to one a rank, spanning nodes where the priced exchange still pays; else the count whose
+   dearest band costs least, when it beats the whole frame. With ``memory_budget``, a frame
+   holding more (``cost.memory``) is cut into at least ``ceil(held / budget)`` bands.
+2. Placement (``band_nodes``, [Note: bands by node]): frames needing more bands than a node
+   has ranks are cut across nodes first; whole frames are balanced over the nodes; inside each
+   node the frames that bind are poured over its ranks to one level (``band_fill``, [Note:
+   pouring frames]). Node-blind, the frames are planned as pieces by ``solve_plan`` over every
+   rank and each rank's pieces of a frame made one band. Replica sets: each set's units held
+   by its replicas, then planned as each rank's own. Every split frame is then priced where
+   its bands sit (its kind chosen there: ``band_plan.settle``).
+3. The plan with bands is kept when its makespan beats the whole-unit plan's by ``min_gain``
+   (the whole plan is not even solved when the bands beat its lower bound, the mean or the
+   costliest unit); else only the bands a budget needs are kept.
+4. A gap (``band_gaps``): where the plan still ends above the mean (owners being ranks, with a
+   scale for bytes), one whole frame of the fullest rank is cut unevenly in two bands, the
+   second computed on the least loaded rank, when that lowers the makespan by ``min_gain``.
 
 Deterministic like every plan: the same units give the same bands on every rank.
 """
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from fx_vitbal.plan.units import is_band
+from fx_vitbal.cost.memory import held_bytes_per_patch, held_bytes_per_patch_of_width
+from fx_vitbal.cost.static import ArchitectureCost
 
 # What one all_to_all and one byte cost, in multiply-accumulates of a ViT, on an H100-class GPU:
 # bf16 dense 989 TFLOP/s (NVIDIA's datasheet) at ~40% MFU is ~2e14 MAC/s, and a forward MAC costs
@@ -88,12 +109,13 @@ class BandRule:
             first += rows
         return bands
 
-    def price(self, band: Band, bytes_per_cost: float) -> float:
-        """The bytes ``band``'s rank receives, in cost units: per exchanging layer, forward and
-        backward, the other bands' keys and values (their gradients going back). The
-        collectives' latency is every rank's (``plan.step.solve_with_bands``)."""
-        other_patches = (band.full_h - band.h) * band.w
-        return 2 * self.exchange_layers * other_patches * self.kv_bytes_per_patch / bytes_per_cost
+    def held_bytes_per_patch(self, architecture: ArchitectureCost | None = None) -> int:
+        """Activation bytes one patch holds for the backward through the tower
+        (``cost.memory``): from its ``architecture`` when known, else from the keys' width
+        and the exchanging layers (an MLP 4x as wide)."""
+        if architecture is not None:
+            return held_bytes_per_patch(architecture)
+        return held_bytes_per_patch_of_width(self.kv_bytes_per_patch // 4, self.exchange_layers)
 
 
 def band_cost(frame_cost: float, band: Band) -> float:
@@ -101,56 +123,13 @@ def band_cost(frame_cost: float, band: Band) -> float:
     return frame_cost * band.h / band.full_h
 
 
-def bands_of_binding_frames(
-    units_O: list[list[tuple]],
-    costs_O: list[list[float]],
-    num_ranks: int,
-    rule: BandRule,
-    max_bands: int,
-) -> list[list[tuple]]:
-    """``units_O`` with every frame that binds the step alone as bands. A frame binds when it
-    costs more than the mean load (``costs_O``: each unit's cost; no plan of whole units ends
-    below it); it becomes as many bands as bring it to the mean, at most ``max_bands``, as the
-    rule's alignment and minimum allow (``BandRule.bands``)."""
-    mean = sum(map(sum, costs_O)) / num_ranks
-    split = []
-    for units, costs in zip(units_O, costs_O, strict=True):
-        kept = []
-        for u, cost in zip(units, costs, strict=True):
-            parts = 1
-            if not is_band(u) and u[0] == 1 and cost > mean:
-                parts = min(max_bands, math.ceil(cost / mean))
-            bands = rule.bands(u, parts) if parts > 1 else [u]
-            kept += bands if len(bands) > 1 else [u]
-        split.append(kept)
-    return split
-
-
-def whole_where_idle(units: list[tuple], where: list[int]) -> list[tuple]:
-    """``units`` with every frame whose bands are all computed on one rank whole again
-    (``where[i]``: the rank computing unit ``i``)."""
-    out, frame = [], []
-    for i, u in enumerate([*units, None]):
-        if frame and (u is None or not is_band(u) or u.first_row == 0):
-            if len({where[j] for j, _ in frame}) == 1:
-                out.append((1, frame[0][1].full_h, frame[0][1].w))
-            else:
-                out += [band for _, band in frame]
-            frame = []
-        if u is not None and is_band(u):
-            frame.append((i, u))
-        elif u is not None:
-            out.append(u)
-    return out
-
-
 def exchange_scale(
     seconds: bool, latency: float = 0.0, seconds_per_byte: float = 0.0
 ) -> tuple[float, float] | None:
-    """``(bytes per cost unit, cost of one collective)`` for ``BandRule.price``: from a measured
-    exchange model when costs are in seconds (``latency``, ``seconds_per_byte``), else from the
-    H100-class constants above for costs in forward multiply-accumulates, at NVLink rates (a
-    frame's bands stay on one node where a node-aware plan can keep them there)."""
+    """``(bytes per cost unit, cost of one collective)``, what prices bands (``plan.band_prices``):
+    from a measured exchange model when costs are in seconds (``latency``, ``seconds_per_byte``),
+    else from the H100-class constants above for costs in forward multiply-accumulates, at NVLink
+    rates (a frame's bands stay on one node where a node-aware plan can keep them there)."""
     if seconds:
         if seconds_per_byte <= 0.0:
             return None

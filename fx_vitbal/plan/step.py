@@ -4,25 +4,28 @@ and lays out its own part of the result (routing, bands); nothing here calls bac
 
 The step: each rank's grid rows become units (``split_units``: a video's frames, where the ViT
 encodes them independently), each unit is costed (``unit_costs``), and ``solve_plan`` (or
-``solve_for_sets`` for replica sets) assigns them. Where the tower runs bands, the frames that
-bind the step alone are then split (``solve_with_bands``) and the step is planned again, kept
-only when the predicted makespan falls by ``min_gain``.
+``solve_for_sets`` for replica sets) assigns them. Where the tower runs bands, frames that bind
+the step (or exceed the memory budget) are cut into bands, each split frame's exchange priced
+where its bands sit and chosen by that price (``solve_with_bands``: [Note: how bands are
+planned] in ``plan.bands``), kept only when the predicted makespan falls by ``min_gain`` (or
+the budget needs them).
 """
 
+import collections
 import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.cost.static import ArchitectureCost, CostModel
-from fx_vitbal.plan.bands import (
-    BandRule,
-    band_cost,
-    bands_of_binding_frames,
-    exchange_scale,
-    whole_where_idle,
+from fx_vitbal.cost.static import ArchitectureCost, CostModel, OnlineCost
+from fx_vitbal.plan.band_gaps import close_gaps
+from fx_vitbal.plan.band_nodes import cross_cuts, solve_by_nodes, solve_sets
+from fx_vitbal.plan.band_plan import (
+    plan_cuts,
 )
+from fx_vitbal.plan.band_prices import ExchangePrices, exchange_prices
+from fx_vitbal.plan.bands import BandRule, exchange_scale
 from fx_vitbal.plan.replicas import as_held, solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.plan.units import Plan, is_band, unit_rows
@@ -58,6 +61,34 @@ class PlanSettings:
         if isinstance(self.cost_model, ArchitectureCost):
             return exchange_scale(False)
         return None
+
+    @property
+    def exchange_prices(self) -> ExchangePrices | None:
+        """What a split frame's exchange costs where its ranks sit (``plan.band_prices``), in
+        the units ``band_scale`` names; None without a band rule or a scale for bytes."""
+        if self.band_rule is None:
+            return None
+        return exchange_prices(
+            self.band_rule,
+            macs=isinstance(self.cost_model, ArchitectureCost),
+            ranks_per_node=self.config.ranks_per_node,
+            forced=self.config.band_exchange,
+            latency=self.exchange_latency,
+            seconds_per_byte=self.exchange_seconds_per_byte,
+        )
+
+    @property
+    def held_bytes_per_patch(self) -> int:
+        """Activation bytes a patch holds through the tower (``cost.memory``), from the
+        architecture where the cost model knows it, else from the band rule; 0 without one."""
+        if self.band_rule is None:
+            return 0
+        architecture = self.cost_model
+        if isinstance(architecture, OnlineCost):
+            architecture = architecture.prior
+        if not isinstance(architecture, ArchitectureCost):
+            architecture = None
+        return self.band_rule.held_bytes_per_patch(architecture)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,22 +151,15 @@ def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple
     return list(map(tuple, grid))
 
 
-def unit_costs(
-    cost_model: CostModel, rule: BandRule | None = None, scale: tuple[float, float] | None = None
-) -> Callable[[Unit], float]:
-    """A unit's cost under ``cost_model``, each distinct unit costed once (grids repeat a lot,
-    and cost models are Python); a ``Band``'s is its share of its frame's, plus the bytes of
-    its exchange priced by ``scale`` (``plan.bands``)."""
+def unit_costs(cost_model: CostModel) -> Callable[[Unit], float]:
+    """A whole unit's cost under ``cost_model``, each distinct unit costed once (grids repeat a
+    lot, and cost models are Python). Bands are costed where they are cut
+    (``plan.band_plan``): their share of their frame's cost plus their exchange's price."""
     memo: dict[tuple, float] = {}
 
     def cost_of(unit) -> float:
         if unit not in memo:
-            if is_band(unit):
-                frame = cost_of((1, unit.full_h, unit.w))
-                price = rule.price(unit, scale[0]) if scale is not None else 0.0
-                memo[unit] = band_cost(frame, unit) + price
-            else:
-                memo[unit] = cost_model(*unit)
+            memo[unit] = cost_model(*unit)
         return memo[unit]
 
     return cost_of
@@ -167,22 +191,22 @@ def plan_step(
         units_O = [split_units(grid, split) for grid in grids_R]
     else:
         units_O = [split_units(grids_R[ranks[0]], split) for ranks in sets]
-    cost_of = unit_costs(settings.cost_model, settings.band_rule, settings.band_scale)
-    planned = solve_with_bands(units_O, cost_of, settings, len(grids_R), sets)
-    planned = dataclasses.replace(planned, exchanges=choose_exchanges(planned, settings))
+    planned = solve_with_bands(
+        units_O, unit_costs(settings.cost_model), settings, len(grids_R), sets
+    )
     if describe_as is None:
         return planned
     return dataclasses.replace(planned, note=describe_plan(planned, describe_as))
 
 
-def _solve(units_O, cost_of, settings: PlanSettings, num_ranks: int, sets) -> StepPlan:
-    costs, tokens = cost_units(units_O, cost_of)
+def _solve(units_O, costs_O, settings: PlanSettings, sets) -> StepPlan:
+    tokens = [[unit_rows(u) for u in units] for units in units_O]
     config, seconds = settings.config, settings.exchange_seconds
     frames = _split_frames(units_O)
     if sets is None:
-        plan = solve_plan(costs, tokens, config=config, exchange_seconds=seconds)
+        plan = solve_plan(costs_O, tokens, config=config, exchange_seconds=seconds)
         return StepPlan(plan, units_O, units_O, rows_O=tokens, frames=frames)
-    plan, held = solve_for_sets(costs, tokens, sets, config=config, exchange_seconds=seconds)
+    plan, held = solve_for_sets(costs_O, tokens, sets, config=config, exchange_seconds=seconds)
     deduplicated = sum(  # each set's rows, once instead of once per replica
         (len(ranks) - 1) * sum(tokens_S) for ranks, tokens_S in zip(sets, tokens, strict=True)
     )
@@ -204,52 +228,93 @@ def _split_frames(units_O: list[list[Unit]]) -> dict[tuple[int, int], list[int]]
 def solve_with_bands(
     units_O: list[list[Unit]], cost_of, settings: PlanSettings, num_ranks: int, sets=None
 ) -> StepPlan:
-    """The plan of ``units_O``, or of ``units_O`` with the frames that bind the step split into
-    bands (``plan.bands.bands_of_binding_frames``), when that lowers the predicted makespan by
-    ``min_gain``, the collectives' latency counted (every rank pays it per exchanging layer and
-    direction). A frame whose bands all land on one rank is put back whole, and the step
-    planned again (a split that moves no work would only add collectives)."""
-    whole = _solve(units_O, cost_of, settings, num_ranks, sets)
-    rule, config = settings.band_rule, settings.config
-    if rule is None or num_ranks < 2:
-        return whole
-    max_bands = min(num_ranks, config.ranks_per_node or num_ranks)
+    """The plan of ``units_O``, with frames cut into bands where that pays (see [Note: how
+    bands are planned] in ``plan.bands``); ``StepPlan.exchanges`` names each split frame's
+    exchange."""
     costs_O = [[cost_of(u) for u in units] for units in units_O]
-    split = bands_of_binding_frames(units_O, costs_O, num_ranks, rule, max_bands)
-    if split == units_O:
-        return whole
-    for _ in range(MAX_REPLANS):
-        banded = _solve(split, cost_of, settings, num_ranks, sets)
-        where_O = [[banded.computed_by(o, i) for i in range(len(us))] for o, us in enumerate(split)]
-        kept = [whole_where_idle(units, where) for units, where in zip(split, where_O, strict=True)]
-        if kept == split:
-            break
-        split = kept
-    if not any(is_band(u) for units in split for u in units):
-        return whole
-    latency = settings.band_scale[1] if settings.band_scale is not None else 0.0
-    span = _makespan(banded.plan) + 2 * rule.exchange_layers * latency
-    if span >= _makespan(whole.plan) * (1.0 - config.min_gain):
-        return whole
-    return banded
+    rule, config = settings.band_rule, settings.config
+
+    def solve(units, costs):
+        return _solve(units, costs, settings, sets)
+
+    if rule is None or num_ranks < 2:
+        return solve(units_O, costs_O)
+    prices, held = settings.exchange_prices, settings.held_bytes_per_patch
+    rpn = config.ranks_per_node
+
+    def cuts_of(units, costs, only_required=False):
+        cuts = plan_cuts(units, costs, num_ranks, rule, prices, config, held)
+        return {key: cut for key, cut in cuts.items() if cut.required or not only_required}
+
+    def with_bands(only_required=False):
+        if sets is not None:
+            return _with_sets(units_O, costs_O, settings, sets, only_required, cuts_of)
+        cuts = cuts_of(units_O, costs_O, only_required)
+        cross = cross_cuts(cuts, rpn) if rpn is not None and 1 < rpn < num_ranks else {}
+        done = solve_by_nodes(
+            units_O,
+            costs_O,
+            cross,
+            rule,
+            prices,
+            config,
+            held,
+            only_required,
+            settings.exchange_seconds,
+        )
+        if done is None:
+            return None
+        plan, final, settled, rows_O = done
+        frames = _split_frames(final.units_O)
+        planned = StepPlan(plan, final.units_O, final.units_O, rows_O=rows_O, frames=frames)
+        exchanges = {final.names[key]: cut.kind for key, cut in settled.items()}
+        return planned, final.units_O, final.costs_O, exchanges
+
+    cuts = cuts_of(units_O, costs_O)
+    whole = None
+    placed = with_bands() if cuts else None
+    if placed is not None:
+        span = _makespan(placed[0].plan)
+        largest = max((c for costs in costs_O for c in costs), default=0.0)
+        bound = max(sum(map(sum, costs_O)) / num_ranks, largest)  # no whole plan ends below
+        if span >= bound * (1.0 - config.min_gain):
+            whole = solve(units_O, costs_O)
+            if span >= _makespan(whole.plan) * (1.0 - config.min_gain):
+                required = any(cut.required for cut in cuts.values())
+                placed = with_bands(only_required=True) if required else None
+    if placed is None:
+        planned, units, costs, exchanges = whole or solve(units_O, costs_O), units_O, costs_O, {}
+    else:
+        planned, units, costs, exchanges = placed
+    worth_a_look = planned.plan.applied or planned.plan.reason == "no-gain"
+    if sets is None and prices is not None and worth_a_look:
+        closed = close_gaps(planned.plan, units, costs, planned.rows_O, exchanges, prices, config)
+        if closed is not None:
+            plan, units, rows_O = closed
+            planned = StepPlan(plan, units, units, rows_O=rows_O, frames=_split_frames(units))
+    return dataclasses.replace(planned, exchanges=exchanges)
 
 
-def choose_exchanges(planned: StepPlan, settings: PlanSettings) -> dict[tuple[int, int], str]:
-    """Each split frame's exchange kind: the config's when forced (``ulysses`` only where the
-    tower's heads divide among the frame's ranks: else ``ring``, by rule), else ``gather``."""
-    forced, rule = settings.config.band_exchange, settings.band_rule
-    kinds = {}
-    for name, bands in planned.frames.items():
-        k = len({planned.computed_by(name[0], i) for i in bands})
-        kind = "gather" if forced == "auto" else forced
-        if kind == "ulysses" and not (rule is not None and rule.heads and rule.heads % k == 0):
-            kind = "ring"  # the heads do not divide among the frame's ranks
-        kinds[name] = kind
-    return kinds
-
-
-# Plans made while putting back frames whose bands landed on one rank (each puts back at least one).
-MAX_REPLANS = 3
+def _with_sets(units_S, costs_S, settings: PlanSettings, sets, only_required, cuts_of):
+    """``with_bands`` for replica sets (``band_nodes.solve_sets``)."""
+    done = solve_sets(
+        units_S,
+        costs_S,
+        sets,
+        settings.band_rule,
+        settings.exchange_prices,
+        settings.config,
+        settings.held_bytes_per_patch,
+        lambda units, costs: cuts_of(units, costs, only_required),
+    )
+    if done is None:
+        return None
+    plan, units_S, held, rows_S, names, settled = done
+    deduplicated = sum((len(r) - 1) * sum(rows) for r, rows in zip(sets, rows_S, strict=True))
+    units_R = as_held(units_S, sets, held)
+    frames = _split_frames(units_S)
+    planned = StepPlan(plan, units_S, units_R, list(sets), held, deduplicated, rows_S, frames)
+    return planned, None, None, {names[key]: cut.kind for key, cut in settled.items()}
 
 
 def _makespan(plan: Plan) -> float:
@@ -294,6 +359,8 @@ def describe_plan(step_plan: StepPlan, step: int) -> str:
     if step_plan.frames:
         frames, bands = len(step_plan.frames), sum(map(len, step_plan.frames.values()))
         line += f", {frames} frame{'s' * (frames > 1)} split into {bands} bands"
+        kinds = sorted(collections.Counter(step_plan.exchanges.values()).items())
+        line += f" ({', '.join(f'{kind} {n}' for kind, n in kinds)})" if kinds else ""
     deduplicated = step_plan.deduplicated_rows
     if deduplicated:
         line += f", replica sets: {deduplicated:,} rows no longer computed twice"

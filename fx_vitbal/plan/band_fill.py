@@ -1,0 +1,220 @@
+"""Inside a node: its ranks' share of the node's units, frames poured to one level.
+
+[Note: pouring frames] A node's whole units are placed first, costliest first, each on its rank
+while that keeps the rank within the node's level (its mean load, the exchange of the bands it
+will cut counted), else on the least loaded rank (``place_in_node``: LPT that keeps what it can
+home). Its frames to cut are then poured over its ranks in order of load, costliest first, by
+McNaughton's wrap-around rule for divisible work (``wrap``): each rank filled up to the level
+before the next, so a frame spans a few consecutive ranks and a rank gets at most a couple of
+bands, each whole ``align`` rows of at least ``min_patches`` (a rank with less room is passed
+over) and paying its exchange; what no rank takes at the level is spread where it ends lowest
+(``_spill``), and the node is filled again at a level raised by it (``LEVEL_TRIES``). Where
+whole frames leave a rank above the step's floor (the fullest node's level), the costliest
+frame of that rank is poured too (``fill_ranks``' ``bar``).
+
+Plain Python over a few ranks and units: a ``solve_plan`` a node would cost ~0.5 ms each.
+Deterministic: ranks and units in order, ties to the lower index.
+"""
+
+import math
+
+from fx_vitbal.config import BalanceConfig
+from fx_vitbal.plan.band_plan import Cut, Placed
+from fx_vitbal.plan.bands import Band, BandRule
+from fx_vitbal.plan.solve import MAKESPAN_SLACK
+from fx_vitbal.plan.units import is_band, unit_rows
+
+# Levels a node's fill tries, each raised by what spilled over the last (``fill_ranks``).
+LEVEL_TRIES = 4
+
+
+def place_in_node(costs_R: list[list[float]], level: float) -> tuple[list[list[int]], list]:
+    """``(dests, loads)``: where a node's units go (``dests[k][i]``: the local rank computing
+    unit ``i`` of local rank ``k``) and each rank's load: costliest first (ties: the lower
+    rank, then unit), each stays on its rank while that keeps it within ``level`` (or the
+    costliest unit) plus ``MAKESPAN_SLACK``, else goes to the least loaded rank (the lower on
+    ties): LPT that keeps what it can home. A few ranks and units: plain Python, no
+    ``solve_plan`` (whose fixed cost, ~0.5 ms, every node would pay)."""
+    flat = [c for costs in costs_R for c in costs]
+    target = max(level, max(flat, default=0.0)) * (1.0 + MAKESPAN_SLACK)
+    loads = [0.0] * len(costs_R)
+    dests = [[k] * len(costs) for k, costs in enumerate(costs_R)]
+    order = sorted((-c, k, i) for k, costs in enumerate(costs_R) for i, c in enumerate(costs))
+    for cost, k, i in order:
+        d = k if loads[k] - cost <= target else min(range(len(loads)), key=loads.__getitem__)
+        loads[d] -= cost
+        dests[k][i] = d
+    return dests, loads
+
+
+def held_by_ranks(first: Placed, ranks: range, members, cut_of) -> tuple[list, list]:
+    """``(units, frames)`` of a node: by local rank, its whole units ``(owner, whole index,
+    band, cost, rows)`` and the frames it cuts ``(local rank, owner, whole index, frame, cost,
+    cut)``; its own on their rank, what it receives on its least loaded, costliest first."""
+    units: list[list[tuple]] = [[] for _ in ranks]
+    frames: list[tuple] = []
+    loads = [0.0] * len(ranks)
+    received = [(r, j) for r, j in members if r not in ranks]
+    received.sort(key=lambda rj: (-first.costs_O[rj[0]][rj[1]], rj))
+    homes = [(r - ranks[0], r, j) for r, j in members if r in ranks]
+    for k, r, j in [*homes, *((None, r, j) for r, j in received)]:
+        if k is None:
+            k = min(range(len(ranks)), key=loads.__getitem__)
+        u, cost, i = first.units_O[r][j], first.costs_O[r][j], first.origin_O[r][j]
+        cut = cut_of(r, j)
+        if cut is not None:
+            frames.append((k, r, i, u, cost, cut))
+        else:
+            units[k].append((r, i, j - first.first_O[r][i], cost, unit_rows(u)))
+        loads[k] += cost
+    return units, frames
+
+
+def fill_ranks(units, frames, first: Placed, rule: BandRule, band_price, most, bar=None):
+    """``(dests, placed, makespan, level, units, frames)`` of a node (``fill_node``; ``units``
+    its whole units by local rank, ``frames`` those it cuts, both as filled: copies) at its
+    level, raised by what spills over it (``LEVEL_TRIES``). With ``bar``: the costliest whole
+    frame of each rank that ends above it is poured too."""
+    units, frames = [list(unit) for unit in units], list(frames)
+    for attempt in range(2):
+        frames.sort(key=lambda f: (-f[4], f[:3]))
+        est = [band_price(f[3])(len(f[5].bands)) for f in frames]
+        work = sum(e[3] for unit in units for e in unit) + sum(f[4] for f in frames)
+        work += sum(p * len(f[5].bands) for p, f in zip(est, frames, strict=True))
+        level = start = work / len(units)
+        whole = [[entry[3] for entry in unit] for unit in units]
+        tops = [most(f[3]) for f in frames]
+        best = None
+        for _ in range(LEVEL_TRIES):  # the level again, raised by what spilled over it
+            tried = fill_node(whole, frames, est, tops, rule, level)
+            if best is None or max(tried[0]) < max(best[0]):
+                best = tried
+            if not tried[3] or max(tried[0]) <= start * (1.0 + MAKESPAN_SLACK):
+                break  # nothing spilled, or not enough to matter
+            level += tried[3] / len(units)
+        loads, dests, placed, _ = best
+        if attempt or bar is None or max(loads) <= bar:
+            break
+        costliest: dict[int, tuple[float, int, int]] = {}  # rank over -> (cost, rank, index)
+        for k, unit in enumerate(units):
+            for n, (entry, d) in enumerate(zip(unit, dests[k], strict=True)):
+                u = first.units_O[entry[0]][first.first_O[entry[0]][entry[1]] + entry[2]]
+                splits = not is_band(u) and u[0] == 1 and len(rule.bands(u, 2)) == 2
+                if splits and loads[d] > bar and entry[3] > costliest.get(d, (0.0,))[0]:
+                    costliest[d] = (entry[3], k, n)
+        if not costliest:
+            break
+        for _, k, n in sorted(costliest.values(), key=lambda c: (c[1], -c[2])):
+            entry = units[k].pop(n)
+            u = first.units_O[entry[0]][first.first_O[entry[0]][entry[1]]]
+            cut = Cut(rule.bands(u, 2), "gather", [0.0, 0.0], None)
+            frames.append((k, entry[0], entry[1], u, entry[3], cut))
+    return dests, placed, max(loads, default=0.0), start, units, frames
+
+
+def fill_node(whole_R, frames, est, most, rule: BandRule, level: float):
+    """``(loads, dests, placed, spilled)``: a node's whole units placed
+    (``place_in_node``), then its frames poured in, costliest first, by McNaughton's
+    wrap-around rule (``wrap``) at ``level``; ``placed`` each frame's ``(bands, ranks)``,
+    ``spilled`` the work that went above the level."""
+    dests, loads = place_in_node(whole_R, level)
+    order = sorted(range(len(loads)), key=lambda k: (loads[k], k))
+    at, placed, spilled = 0, [], 0.0
+    for (k, _, _, u, cost, _), price, top in zip(frames, est, most, strict=True):
+        bands, on, at, over = wrap(loads, order, at, k, u, cost, rule, top, price, level)
+        placed.append((bands, on))
+        spilled += over
+    return loads, dests, placed, spilled
+
+
+def wrap(
+    loads: list[float],
+    order: list[int],
+    at: int,
+    home: int,
+    unit,
+    cost: float,
+    rule: BandRule,
+    most: int,
+    price: float,
+    level: float,
+) -> tuple[list[Band], list[int], int, float]:
+    """``(bands, ranks, at, spilled)``: frame ``unit`` (cost ``cost``) poured into a node's
+    ranks in ``order`` from ``order[at]`` on, each filled up to ``level`` before the next
+    (McNaughton's wrap-around rule for divisible work: a frame spans a few consecutive ranks,
+    most ranks get at most two pieces), ``loads`` updated, ``at`` where the next frame starts.
+    Each band pays ``price`` (its exchange) and is whole ``align`` rows of at least
+    ``min_patches`` and at most ``most`` blocks (a budget; ``_spill`` may go over it, and
+    ``band_nodes`` then spreads the frame's even bands); a rank whose room is smaller than a
+    band is passed over, and what the ranks cannot take at the level (``spilled``) goes where
+    it ends lowest (``_spill``). The first band goes to ``home`` when it takes part; a frame
+    that fits one rank stays whole."""
+    _, h, w = unit
+    blocks = h // rule.align
+    least = max(1, -(-rule.min_patches // (rule.align * w)))
+    per = cost / blocks
+    give: dict[int, int] = {}
+    left = blocks
+    while left and at < len(order):
+        r = order[at]
+        extra = 0.0 if left == blocks and per * blocks + loads[r] <= level else price
+        g = min(math.floor((level - loads[r] - extra) / per), left, most)
+        if 0 < left - g < least:  # leave the next rank a band worth cutting
+            g = left - least
+        if g < least and g < left:
+            at += 1
+            continue
+        give[r] = g
+        loads[r] += g * per + extra
+        left -= g
+        if left:
+            at += 1
+    over = left * per
+    if left:  # above the level: spread where it ends lowest (a new band at least whole)
+        give = _spill(loads, order, give, left, per, least, price)
+    if home in give:
+        give = {home: give.pop(home), **give}
+    bands, first = [], 0
+    for g in give.values():
+        bands.append(Band(1, g * rule.align, w, h, first))
+        first += g * rule.align
+    return bands, list(give), at, over
+
+
+def _spill(loads, order, give: dict, left: int, per: float, least: int, price: float) -> dict:
+    """``give`` with ``left`` more blocks over the frame's ranks and the ``j`` least loaded
+    others (each a new band of at least ``least`` blocks, paying ``price``), block by block to
+    the rank that ends lowest, for the ``j`` whose fullest rank ends lowest (``loads``
+    updated)."""
+    others = sorted((r for r in order if r not in give), key=lambda r: (loads[r], r))
+    best = None
+    for j in range(min(len(others), left // least) + 1):
+        trial, room = dict(give), dict.fromkeys(give, 0.0)
+        spent = 0
+        for r in others[:j]:
+            trial[r], room[r] = least, least * per + price
+            spent += least
+        if spent > left or not trial:
+            continue
+        ends = {r: loads[r] + room[r] for r in trial}
+        for _ in range(left - spent):
+            r = min(ends, key=lambda r: (ends[r] + per, r))
+            ends[r] += per
+            trial[r] += 1
+        top = max(ends.values())
+        if best is None or top < best[0]:
+            best = (top, trial, ends)
+    if best is None:  # no band of the frame yet and too little for one: whole, where lowest
+        r = min(order, key=lambda r: (loads[r], r))
+        best = (0.0, {r: left}, {r: loads[r] + left * per})
+    _, trial, ends = best
+    for r, end in ends.items():
+        loads[r] = end
+    return trial
+
+
+def most_blocks(unit, *, rule: BandRule, held: int, config: BalanceConfig) -> int:
+    """The most ``align`` blocks of ``unit`` one band may hold within ``memory_budget``."""
+    if config.memory_budget is None or not held:
+        return unit[1]
+    return max(1, config.memory_budget // (held * rule.align * unit[2]))

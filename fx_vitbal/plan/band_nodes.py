@@ -1,0 +1,295 @@
+"""Bands on a cluster of nodes: whole frames balanced across nodes first, then cut inside the
+node that computes them.
+
+[Note: bands by node] A plan solved over ranks with bands as units spreads a frame's bands over
+whatever ranks have room, on any node, so a frame that fits one node pays for InfiniBand (and
+the plan, which prices bands before it places them, cannot know). Node-aware plans (owners being
+ranks) therefore plan in levels:
+
+1. Frames that need more bands than a node has ranks (their priced exchange pays across nodes,
+   or the memory budget asks for that many) are cut first (``band_plan.plan_cuts``), priced as
+   if each band sat on a node of its own (placing cannot raise that price).
+2. Nodes: every node's units (whole frames, with the exchange of the bands a node will cut
+   them into, and those bands) are balanced over the nodes by ``solve_plan``, a node counting
+   as one rank, refined finer than a step (``NODE_TOLERANCE``): frames cross nodes whole.
+3. Ranks, node by node: the node's frames that cost more than the mean load (or exceed the
+   memory budget) are poured over its ranks, the rest placed whole ([Note: pouring frames] in
+   ``band_fill``), priced at NVLink rates.
+
+Node-blind (``ranks_per_node`` None or 1, or one node): step 3 over every rank, the frames
+planned as ``PIECES`` times as many pieces as their cost asks for by ``solve_plan``, then each
+rank's pieces of a frame one band (``_merged``). Then each split frame is priced where its
+bands sit (its kind chosen there), and bands the budget needs that share a rank are spread
+(``band_plan.spread_bands``). Deterministic: nodes and ranks in order, ties to the lower index.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+from fx_vitbal.config import BalanceConfig
+from fx_vitbal.plan.band_fill import fill_ranks, held_by_ranks, most_blocks
+from fx_vitbal.plan.band_plan import (
+    Cut,
+    Placed,
+    bands_needed,
+    cut_frame,
+    expand,
+    rebuild,
+    settle,
+    spread_bands,
+)
+from fx_vitbal.plan.band_prices import ExchangePrices
+from fx_vitbal.plan.bands import Band, BandRule
+from fx_vitbal.plan.replicas import as_held, holders, set_of_ranks
+from fx_vitbal.plan.solve import MAKESPAN_SLACK, solve_plan
+from fx_vitbal.plan.units import Plan, is_band, unit_rows
+
+# The node level's refinement (``BalanceConfig.tolerance``, ``max_iters`` at least these).
+NODE_TOLERANCE, NODE_ITERS = 0.01, 400
+# Pieces a frame cut inside a node is planned in, per band its cost alone would ask for: bands
+# of about the mean load pack badly (nine such bands on a node of eight ranks leave a rank with
+# two), pieces of about half of it pack well; each rank's pieces of a frame are then one band.
+PIECES = 2
+
+
+def solve_by_nodes(
+    units_O: list[list[tuple]],
+    costs_O: list[list[float]],
+    cross: dict,
+    rule: BandRule,
+    prices: ExchangePrices | None,
+    config: BalanceConfig,
+    held_per_patch: int,
+    only_required: bool = False,
+    exchange_seconds=None,
+) -> tuple[Plan, Placed, dict, list[list[int]]] | None:
+    """``(plan, units, cuts, rows)`` of ``units_O`` (owners being ranks) planned by nodes (see
+    [Note: bands by node]; node-blind: one node of every rank) with the frames of ``cross`` cut
+    across nodes; None when no frame ends split. ``only_required``: cut only where the memory
+    budget asks for bands. ``exchange_seconds``: the measured exchange model (``solve_plan``),
+    weighed where one solve plans every rank (node-blind)."""
+    num_ranks = len(units_O)
+    rpn = config.ranks_per_node
+    rpn = rpn if rpn is not None and 1 < rpn < num_ranks else num_ranks
+    mean = sum(map(sum, costs_O)) / num_ranks
+    blind = dataclasses.replace(config, ranks_per_node=None)
+    # Nothing below the node level evens out what it leaves between nodes: it refines to a
+    # finer tolerance, and a node's rows are its ranks' business (each rank's, in its node).
+    nodes_config = dataclasses.replace(
+        blind,
+        max_len_ratio=math.inf,
+        tolerance=min(config.tolerance, NODE_TOLERANCE),
+        max_iters=max(config.max_iters, NODE_ITERS),
+    )
+    inside = dataclasses.replace(prices, ranks_per_node=None) if prices is not None else None
+    first = expand(units_O, costs_O, cross)
+    # A frame binds above the mean, or above the dearest band cut across nodes (no plan ends
+    # below that: cutting what costs less buys nothing).
+    floor = max(
+        (
+            c
+            for costs, units in zip(first.costs_O, first.units_O, strict=True)
+            for c, u in zip(costs, units, strict=True)
+            if is_band(u)
+        ),
+        default=0.0,
+    )
+    binds = max(mean, floor)
+    nodes = [range(n, min(n + rpn, num_ranks)) for n in range(0, num_ranks, rpn)]
+    refs = [[(r, j) for r in ranks for j in range(len(first.units_O[r]))] for ranks in nodes]
+    memo: dict[tuple, Cut | None] = {}
+
+    def cut_of(r: int, j: int) -> Cut | None:
+        """How unit ``j`` of ``first``'s owner ``r`` is cut inside a node, if it is."""
+        u, cost = first.units_O[r][j], first.costs_O[r][j]
+        if is_band(u) or u[0] != 1:
+            return None
+        need = bands_needed(u, held_per_patch, config, rule.align)
+        if need < 2 and (cost <= binds or only_required):
+            return None
+        key = (u, cost, need)
+        if key not in memo:
+            memo[key] = cut_frame(u, cost, mean, need, len(nodes[0]), rule, inside, config)
+        return memo[key]
+
+    @functools.cache
+    def band_price(u) -> "Callable[[int], float]":
+        """The dearest band's exchange of ``u`` cut evenly in ``n`` bands inside a node."""
+
+        @functools.cache
+        def of(n: int) -> float:
+            if inside is None:
+                return 0.0
+            sizes = [b.h * b.w for b in rule.bands(u, n)]
+            return max(inside.cheapest(sizes, None)[1]) if len(sizes) > 1 else 0.0
+
+        return of
+
+    if len(nodes) > 1:  # a frame a node cuts costs it its bands' exchange too
+        node_costs = [
+            [first.costs_O[r][j] + sum(getattr(cut_of(r, j), "prices", ())) for r, j in ref]
+            for ref in refs
+        ]
+        node_plan = solve_plan(
+            node_costs,
+            [[unit_rows(first.units_O[r][j]) for r, j in ref] for ref in refs],
+            config=nodes_config,
+        )
+        assigned = [[refs[src][j] for src, j in node_plan.assignment[n]] for n in range(len(nodes))]
+    else:
+        assigned = refs
+    pieces: dict[tuple[int, int], Cut] = {}  # in-node cuts
+    where: dict[tuple[int, int, int], int] = {}  # (owner, whole index, band or piece) -> rank
+    held = [
+        held_by_ranks(first, ranks, members, cut_of)
+        for ranks, members in zip(nodes, assigned, strict=True)
+    ]
+    most = functools.partial(most_blocks, rule=rule, held=held_per_patch, config=config)
+    if len(nodes) == 1:  # node-blind: pieces, by the step's own solver over every rank
+        (units, frames), ranks = held[0], nodes[0]
+        for k, r, i, u, cost, cut in frames:
+            cut = pieces[(r, i)] = _in_pieces(cut, u, rule)
+            pieces_of = zip(cut.costs(cost), cut.bands, strict=True)
+            units[k] += [(r, i, b, c, unit_rows(p)) for b, (c, p) in enumerate(pieces_of)]
+        sub = solve_plan(
+            [[entry[3] for entry in unit] for unit in units],
+            [[entry[4] for entry in unit] for unit in units],
+            config=blind,
+            exchange_seconds=exchange_seconds,
+        )
+        filled = [([sub.destinations(k) for k in range(len(units))], [], 0.0, 0.0, units, [])]
+    else:  # by node: whole units first, then frames poured up to each node's level
+        filled = [fill_ranks(*state, first, rule, band_price, most) for state in held]
+        # No plan ends below the fullest node's level: a node's rank above it by the minimum
+        # gain has its costliest frame poured too (nine frames of nearly the mean on eight
+        # ranks), where an exchange model prices the bands that costs (else nothing says it
+        # pays, as for ``band_gaps``).
+        bar = max(floor, *(f[3] for f in filled)) * (1.0 + MAKESPAN_SLACK)
+        for n, state in enumerate(held):
+            if prices is not None and filled[n][2] > bar * (1.0 + config.min_gain):
+                filled[n] = fill_ranks(*state, first, rule, band_price, most, bar)
+    for ranks, (dests, placed, _, _, units, frames) in zip(nodes, filled, strict=True):
+        for (_, r, i, u, _, cut), (bands, on) in zip(frames, placed, strict=True):
+            if cut.required and max(b.h for b in bands) > most(u) * rule.align:
+                # Its node had too few ranks with room: its even bands, spread below.
+                bands, on = cut.bands, [on[0]] * len(cut.bands)
+            if len(bands) > 1:
+                pieces[(r, i)] = cut._replace(bands=bands, prices=[0.0] * len(bands))
+            where.update(((r, i, b), ranks[d]) for b, d in enumerate(on))
+        for unit, ds in zip(units, dests, strict=True):
+            for entry, d in zip(unit, ds, strict=True):
+                where[entry[:3]] = ranks[d]
+    cuts, where = _merged({**cross, **pieces}, where)
+    if not cuts:
+        return None
+    final = expand(units_O, costs_O, cuts)
+    dest_O = [[0] * len(units) for units in final.units_O]
+    for (o, i, band), r in where.items():
+        dest_O[o][final.first_O[o][i] + band] = r
+    cuts = settle(cuts, final, lambda o, i: dest_O[o][i], rule, prices, config)
+    final = expand(units_O, costs_O, cuts)
+    loads = [0.0] * num_ranks
+    for costs, dests in zip(final.costs_O, dest_O, strict=True):
+        for cost, d in zip(costs, dests, strict=True):
+            loads[d] += cost
+    if spread_bands(dest_O, loads, final, cuts):  # bands the budget needs, two on a rank
+        cuts = settle(cuts, final, lambda o, i: dest_O[o][i], rule, prices, config)
+        final = expand(units_O, costs_O, cuts)
+    plan, rows_O = rebuild(final.units_O, final.costs_O, dest_O, config)
+    return plan, final, cuts, rows_O
+
+
+def _in_pieces(cut: Cut, unit, rule: BandRule) -> Cut:
+    """``cut`` as ``PIECES`` times as many even pieces (as rows allow; not a cut the budget
+    needs), each priced as its rows' share of ``cut``'s exchange."""
+    k = len(cut.bands)
+    if cut.required:
+        return cut
+    bands = rule.bands(unit, k * PIECES)
+    if len(bands) <= k:
+        return cut
+    per_row = sum(cut.prices) / unit[1]  # the exchange, shared by rows
+    return cut._replace(bands=bands, prices=[per_row * b.h for b in bands])
+
+
+def _merged(cuts: dict, where: dict) -> tuple[dict, dict]:
+    """``(cuts, where)``: each frame's pieces regrouped so each rank computing some holds a run
+    of them (ranks in the order of their first piece: the loads stay as planned, a frame's
+    pieces being as even as rows allow) and each run one band; a frame on one rank whole
+    again. Cuts the budget needs keep their bands. ``where``: ``(owner, whole index, band)``
+    -> rank, before and after."""
+    merged, placed = {}, {key: r for key, r in where.items() if key[:2] not in cuts}
+    for (o, i), cut in cuts.items():
+        ranks = [where[(o, i, b)] for b in range(len(cut.bands))]
+        counts = dict.fromkeys(ranks, 0)
+        for r in ranks:
+            counts[r] += 1
+        if cut.required or len(counts) == len(ranks):
+            merged[(o, i)] = cut
+            placed.update(((o, i, b), r) for b, r in enumerate(ranks))
+            continue
+        if len(counts) == 1:
+            placed[(o, i, 0)] = ranks[0]
+            continue
+        bands, at = [], 0
+        for b, (r, n) in enumerate(counts.items()):
+            run = cut.bands[at : at + n]
+            bands.append(Band(1, sum(p.h for p in run), run[0].w, run[0].full_h, run[0].first_row))
+            placed[(o, i, b)] = r
+            at += n
+        merged[(o, i)] = cut._replace(bands=bands, prices=[0.0] * len(bands))
+    return merged, placed
+
+
+def cross_cuts(cuts: dict, ranks_per_node: int) -> dict:
+    """The cuts with more bands than a node has ranks (step 1 of [Note: bands by node])."""
+    return {key: cut for key, cut in cuts.items() if len(cut.bands) > ranks_per_node}
+
+
+def solve_sets(units_S, costs_S, sets, rule, prices, config, held_per_patch, plan_cuts):
+    """``solve_by_nodes`` for replica sets (``plan.replicas``): each set's units held by its
+    replicas as ``solve_for_sets`` holds them (``holders``), planned as each rank's own, then
+    seen from the sets again: ``(plan, units_S, held, rows_S, frames names, cuts)``,
+    a cut frame's bands consecutive in its set's units and held by the rank holding the frame;
+    None when no frame ends split. ``plan_cuts``: the cuts of each rank's units."""
+    held: list[list[int]] = [[] for _ in range(sum(map(len, sets)))]
+    for ranks, costs in zip(sets, costs_S, strict=True):
+        for i, j in enumerate(holders(costs, len(ranks))):
+            held[ranks[j]].append(i)
+    units_R, costs_R = as_held(units_S, sets, held), as_held(costs_S, sets, held)
+    rpn = config.ranks_per_node
+    cuts = plan_cuts(units_R, costs_R)
+    aware = rpn is not None and 1 < rpn < len(units_R)
+    cross = cross_cuts(cuts, rpn) if aware else {}
+    only_required = all(cut.required for cut in cuts.values())
+    done = solve_by_nodes(
+        units_R, costs_R, cross, rule, prices, config, held_per_patch, only_required
+    )
+    if done is None:
+        return None
+    plan, _, settled, _ = done
+    set_of = set_of_ranks(sets)
+    cut_at = {(set_of[r], held[r][j]): cut for (r, j), cut in settled.items()}
+    units_new, new_index = [], []
+    for s, units in enumerate(units_S):
+        listed, index = [], []
+        for i, u in enumerate(units):
+            index.append(len(listed))
+            listed += cut_at[(s, i)].bands if (s, i) in cut_at else [u]
+        units_new.append(listed)
+        new_index.append(index)
+    held_new = []
+    for r, ids in enumerate(held):
+        s = set_of[r]
+        held_new.append([new_index[s][i] + b for i in ids for b in range(_count(cut_at, s, i))])
+    names = {
+        key: (set_of[key[0]], new_index[set_of[key[0]]][held[key[0]][key[1]]]) for key in settled
+    }
+    rows_S = [[unit_rows(u) for u in units] for units in units_new]
+    return plan, units_new, held_new, rows_S, names, settled
+
+
+def _count(cut_at: dict, s: int, i: int) -> int:
+    return len(cut_at[(s, i)].bands) if (s, i) in cut_at else 1

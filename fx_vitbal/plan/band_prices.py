@@ -1,0 +1,255 @@
+"""What a split frame's exchange costs each of its band ranks, by kind and by where the ranks sit.
+
+[Note: exchange prices] In every layer that attends over the whole frame, a band of ``n`` of its
+frame's ``N`` patches (``k`` bands; ``kv`` bytes of one patch's keys and values, ``4 * d`` in
+bf16) needs the rest of the frame. Per exchanging layer, its rank moves (the runtime's kinds,
+``runtime/bands/kinds.py``):
+
+- ``gather``: the other bands' keys and values, ``kv * (N - n)`` bytes in (``4*N*d*(k-1)/k``
+  for even bands), in one collective; its backward fetches them again and sends their gradients
+  home: twice the bytes.
+- ``ulysses``: an all-to-all of heads (q, k, v out, the outputs back: ``8*N*d*(k-1)/k**2`` for
+  even bands), two collectives, the same again in the backward; only where the heads divide
+  among the ``k`` ranks.
+- ``ring``: the same bytes as ``gather`` in ``k - 1`` point-to-point steps, each overlapped with
+  the attention of one block (``n`` queries over the ``m`` keys of the block in flight): a step
+  costs its latency plus what of its transfer that compute does not hide, ``max(0, bytes /
+  bandwidth - pairs * pair cost)``; the backward sends the blocks round again with their
+  gradient accumulators (twice the bytes, behind about twice the compute).
+
+Where: ranks ``r`` and ``r'`` share a node iff ``r // ranks_per_node == r' // ranks_per_node``
+(node-blind when ``ranks_per_node`` is None or 1: everything at NVLink rates). A frame whose
+ranks are on one node moves at NVLink rates; one spanning nodes at one InfiniBand NIC per GPU
+(``INFINIBAND_BYTES_PER_SECOND``, and ``INTER_NODE_COLLECTIVE_SECONDS`` a collective or step):
+a gather's collective and a ring's synchronous steps go at the slowest link they cross, while an
+all-to-all moves each peer's share on its own link (``ulysses``: the slower of its NVLink and
+its InfiniBand share). With costs in seconds from a measured exchange (one fit of the balancing
+group's exchanges), both links are the measured one.
+
+All prices are in the cost model's units (``plan.bands.exchange_scale``), forward and backward
+of every exchanging layer, so they add to a band's share of its frame's cost. Pure arithmetic:
+the same prices on every rank.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from fx_vitbal.plan.bands import (
+    COLLECTIVE_SECONDS,
+    INFINIBAND_BYTES_PER_SECOND,
+    MACS_PER_SECOND,
+    NVLINK_BYTES_PER_SECOND,
+    TRAINING_MACS_PER_FORWARD_MAC,
+    BandRule,
+)
+
+# The kinds an ``auto`` exchange chooses among, in the order that breaks ties (the simplest,
+# which every tower runs, compiled ones too, first).
+KINDS = ("gather", "ulysses", "ring")
+# One collective across nodes: NCCL's small-message all-gather or send/recv over 400 Gb/s
+# InfiniBand takes some 20-40 us on 2-8 nodes (the network's round trip, the NIC and the proxy
+# thread on top of the ~11 us inside a node); no measurement here, the middle of that range.
+INTER_NODE_COLLECTIVE_SECONDS = 30e-6
+# Bytes of the backward over the forward's, per kind (``runtime/bands/kinds.py``).
+BACKWARD_BYTES = {"gather": 2, "ulysses": 1, "ring": 2}
+# What ulysses moves per patch, in units of a patch's keys and values (``kv``: 2 tensors): a
+# peer's patch's queries, keys and values for a rank's heads (3 tensors), then the outputs of
+# the rank's own patches for its peers' heads (1 tensor): ``8*N*d*(k-1)/k**2`` for even bands.
+ULYSSES_QKV, ULYSSES_OUT = 1.5, 0.5
+
+
+def kinds_for(rule: BandRule, forced: str, k: int) -> tuple[str, ...]:
+    """The kinds a frame of ``k`` bands (on ``k`` ranks) may use: the forced one (``ulysses``
+    becomes ``ring``, by rule, where the heads do not divide among the ranks), else every kind
+    (``ulysses`` only where the heads divide)."""
+    heads_divide = rule.heads > 0 and rule.heads % k == 0
+    if forced != "auto":
+        return ("ring",) if forced == "ulysses" and not heads_divide else (forced,)
+    return KINDS if heads_divide else tuple(kind for kind in KINDS if kind != "ulysses")
+
+
+class Link(NamedTuple):
+    """An interconnect in the cost model's units."""
+
+    bytes_per_cost: float
+    """Bytes it moves in one cost unit."""
+    latency: float
+    """The cost of one collective, or of one ring step."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExchangePrices:
+    """Prices of split frames' exchanges (see [Note: exchange prices]).
+
+    ``nodes`` (every method): each band's node, in band order (``packed_nodes`` before the plan
+    says where bands land), or None: all on one node."""
+
+    rule: BandRule
+    inside: Link
+    across: Link
+    ranks_per_node: int | None
+    """Ranks a node; None where planning is node-blind."""
+    pair_cost: float
+    """The forward cost of one query-key pair in one exchanging layer (``2 * d`` MACs)."""
+    forced: str = "auto"
+    """``BalanceConfig.band_exchange``."""
+
+    def kinds(self, k: int) -> tuple[str, ...]:
+        """``kinds_for`` this rule and forced kind."""
+        return kinds_for(self.rule, self.forced, k)
+
+    def packed_nodes(self, k: int) -> tuple[int, ...] | None:
+        """Where ``k`` bands are assumed to land before the plan places them, the assumption a
+        frame is first priced by: on one node when they fit on one (node-aware plans keep
+        moves inside a node where they can), else each on a node of its own (the dearest
+        place: the plan spreads a frame that fills more than a node over the ranks with room,
+        wherever they are, so placing cannot raise its price)."""
+        if self.ranks_per_node is None or k <= self.ranks_per_node:
+            return None
+        return tuple(range(k))
+
+    def band_price(
+        self, sizes: Sequence[int], i: int, kind: str, nodes: Sequence[int] | None
+    ) -> float:
+        """The exchange of band ``i`` of a frame cut into bands of ``sizes`` patches, on its
+        rank, forward and backward of every exchanging layer."""
+        n, total, k = sizes[i], sum(sizes), len(sizes)
+        if k < 2:
+            return 0.0
+        kv = self.rule.kv_bytes_per_patch
+        if kind == "ulysses":
+            return self.rule.exchange_layers * 2 * self._ulysses(sizes, i, nodes)
+        spans = nodes is not None and len(set(nodes)) > 1
+        link = self.across if spans else self.inside
+        other = total - n
+        backward = BACKWARD_BYTES[kind]
+        if kind == "gather":
+            per_layer = 2 * link.latency + (1 + backward) * kv * other / link.bytes_per_cost
+        else:  # ring: k - 1 steps a direction, each behind one block's attention
+            exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * n)
+            per_layer = 2 * (k - 1) * link.latency + (1 + backward) * other * exposed
+        return self.rule.exchange_layers * per_layer
+
+    def _ulysses(self, sizes: Sequence[int], i: int, nodes: Sequence[int] | None) -> float:
+        """One direction of one layer: two all-to-alls, each peer's share on its own link."""
+        k, n, kv = len(sizes), sizes[i], self.rule.kv_bytes_per_patch
+        links = {}
+        for j, m in enumerate(sizes):
+            if j != i:
+                far = nodes is not None and nodes[j] != nodes[i]
+                received = kv * (ULYSSES_QKV * m + ULYSSES_OUT * n) / k
+                sent = kv * (ULYSSES_QKV * n + ULYSSES_OUT * m) / k
+                got, out = links.get(far, (0.0, 0.0))
+                links[far] = (got + received, out + sent)
+        latency = self.across.latency if True in links else self.inside.latency
+        seconds = max(
+            max(got, out) / (self.across if far else self.inside).bytes_per_cost
+            for far, (got, out) in links.items()
+        )
+        return 2 * latency + seconds
+
+    def frame_prices(
+        self, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
+    ) -> list[float]:
+        """``band_price`` of every band of the frame."""
+        return [self.band_price(sizes, i, kind, nodes) for i in range(len(sizes))]
+
+    def cheapest(
+        self, sizes: Sequence[int], nodes: Sequence[int] | None, ranks: int | None = None
+    ) -> tuple[str, list[float]]:
+        """The kind whose dearest band costs least (ties: ``KINDS`` order) among those a frame
+        on ``ranks`` ranks may use (``kinds``; default: one a band), and its prices."""
+        best = None
+        for kind in self.kinds(ranks or len(sizes)):
+            prices = self.frame_prices(sizes, kind, nodes)
+            if best is None or max(prices) < max(best[1]):
+                best = (kind, prices)
+        return best
+
+
+def exchange_prices(
+    rule: BandRule,
+    *,
+    macs: bool,
+    ranks_per_node: int | None,
+    forced: str = "auto",
+    latency: float = 0.0,
+    seconds_per_byte: float = 0.0,
+) -> ExchangePrices | None:
+    """The ``ExchangePrices`` of a cost model: in forward multiply-accumulates (``macs``, the
+    architecture model) at H100 rates (``plan.bands``), or in seconds from a measured exchange
+    (``latency``, ``seconds_per_byte`` > 0); None when neither (``l**2`` and polynomial costs
+    have no scale for bytes)."""
+    width = rule.kv_bytes_per_patch / 4  # keys and values in bf16: 4 bytes per unit of width
+    aware = ranks_per_node if ranks_per_node is not None and ranks_per_node > 1 else None
+    if seconds_per_byte > 0.0:
+        link = Link(1.0 / seconds_per_byte, latency)
+        pair = 2 * width / MACS_PER_SECOND
+        return ExchangePrices(
+            rule=rule,
+            inside=link,
+            across=link,
+            ranks_per_node=aware,
+            pair_cost=pair,
+            forced=forced,
+        )
+    if not macs:
+        return None
+    per_second = MACS_PER_SECOND / TRAINING_MACS_PER_FORWARD_MAC  # forward MACs a second
+    return ExchangePrices(
+        rule=rule,
+        inside=Link(NVLINK_BYTES_PER_SECOND / per_second, COLLECTIVE_SECONDS * per_second),
+        across=Link(
+            INFINIBAND_BYTES_PER_SECOND / per_second, INTER_NODE_COLLECTIVE_SECONDS * per_second
+        ),
+        ranks_per_node=aware,
+        pair_cost=2 * width / TRAINING_MACS_PER_FORWARD_MAC,
+        forced=forced,
+    )
+
+
+def frame_traffic(
+    rule: BandRule, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
+) -> tuple[float, float]:
+    """``(bytes inside nodes, bytes across nodes)`` the frame's ranks receive in one step,
+    forward and backward of every exchanging layer (a ring's blocks each come from the band
+    before; ``nodes`` as in ``ExchangePrices``)."""
+    k, total, kv = len(sizes), sum(sizes), rule.kv_bytes_per_patch
+    inside = across = 0.0
+
+    def far(a: int, b: int) -> bool:
+        return nodes is not None and nodes[a] != nodes[b]
+
+    for i, n in enumerate(sizes):
+        if kind == "ring":
+            pieces = [(i - 1) % k, kv * (total - n) * (1 + BACKWARD_BYTES[kind])]
+            pieces = [tuple(pieces)]
+        elif kind == "gather":
+            pieces = [(j, kv * m * (1 + BACKWARD_BYTES[kind])) for j, m in enumerate(sizes)]
+        else:
+            pieces = [
+                (j, (1 + BACKWARD_BYTES[kind]) * kv * (ULYSSES_QKV * m + ULYSSES_OUT * n) / k)
+                for j, m in enumerate(sizes)
+            ]
+        for j, size in pieces:
+            if j == i or k < 2:
+                continue
+            if far(i, j):
+                across += size
+            else:
+                inside += size
+    return rule.exchange_layers * inside, rule.exchange_layers * across
+
+
+def step_traffic(step, rule: BandRule | None, ranks_per_node: int) -> tuple[float, float]:
+    """``(bytes inside nodes, bytes across nodes)`` every split frame of a planned step
+    (``plan.step.StepPlan``) moves (``frame_traffic``, its exchange kind where its bands are
+    computed), nodes being ``ranks_per_node`` contiguous ranks."""
+    inside = across = 0.0
+    for name, indices in step.frames.items():
+        sizes = [step.units_O[name[0]][i].h * step.units_O[name[0]][i].w for i in indices]
+        nodes = [step.computed_by(name[0], i) // ranks_per_node for i in indices]
+        got = frame_traffic(rule, sizes, step.exchanges[name], nodes)
+        inside, across = inside + got[0], across + got[1]
+    return inside, across

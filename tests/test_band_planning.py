@@ -1,0 +1,310 @@
+"""Bands at cluster scale, the planning side (``fx_vitbal.plan.band_prices``, ``band_plan``,
+``band_nodes``, ``band_fill``, ``band_gaps``, ``cost.memory``; pure, no process group): each
+split frame's exchange priced where its ranks sit and chosen by that price (or forced), frames cut
+across nodes where that pays, memory budgets, uneven cuts that close a gap, and the invariants
+every plan keeps (bands of whole ``align`` rows covering their frame in order, each unit computed
+once, the same plan on every call)."""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fx_vitbal
+from fx_vitbal.cost import ArchitectureCost
+from fx_vitbal.cost.memory import held_bytes_per_patch
+from fx_vitbal.plan.band_prices import (
+    INTER_NODE_COLLECTIVE_SECONDS,
+    exchange_prices,
+    frame_traffic,
+)
+from fx_vitbal.plan.bands import MACS_PER_SECOND, TRAINING_MACS_PER_FORWARD_MAC, BandRule
+from fx_vitbal.plan.step import plan_step
+from fx_vitbal.plan.units import is_band, unit_rows
+from fx_vitbal.runtime.vit.settings import plan_settings, planner_spec_for
+
+# Qwen2-VL-7B's tower: d 1280, MLP 5120, 32 layers that all attend over whole frames, 16 heads.
+QWEN2_VL = ArchitectureCost(hidden=1280, mlp_hidden=5120, depth=32, in_dim=1176, out_dim=3584)
+RULE = BandRule(align=2, min_patches=64, exchange_layers=32, kv_bytes_per_patch=4 * 1280, heads=16)
+MS = 1e3 / (MACS_PER_SECOND / TRAINING_MACS_PER_FORWARD_MAC)  # milliseconds a cost unit
+
+
+def _plan(grids, heads: int = 16, sets=None, **config):
+    """The step's plan as the runtime makes it for Qwen2-VL's tower (architecture costs:
+    exchanges priced at H100 rates)."""
+    config = fx_vitbal.BalanceConfig(**config)
+    spec = planner_spec_for(config, QWEN2_VL, True, (2, 32, 1280, False, heads))
+    return plan_step(grids, plan_settings(spec), sets)
+
+
+def _ranks(planned, name) -> list[int]:
+    return [planned.computed_by(name[0], i) for i in planned.frames[name]]
+
+
+def _makespan(plan) -> float:
+    return max(plan.loads_after if plan.applied else plan.loads_before)
+
+
+ONE_BINDS = [[[1, 128, 128]], [[1, 16, 16]], [], [[1, 32, 32]]]  # 16k patches on 4 ranks
+
+
+# --- the exchange: forced, by rule, or by price
+
+
+def test_a_forced_exchange_is_recorded_for_every_split_frame():
+    for kind in ("gather", "ring", "ulysses"):
+        planned = _plan(ONE_BINDS, band_exchange=kind)
+        assert len(planned.frames) == 1
+        assert set(planned.exchanges.values()) == {kind}, kind
+
+
+def test_ulysses_falls_back_to_ring_by_rule_where_the_heads_do_not_divide():
+    planned = _plan(ONE_BINDS, heads=6, band_exchange="ulysses")  # 4 ranks, 6 heads
+    (name,) = planned.frames
+    assert len(set(_ranks(planned, name))) == 4
+    assert planned.exchanges[name] == "ring"
+    assert _plan(ONE_BINDS, heads=8, band_exchange="ulysses").exchanges[name] == "ulysses"
+
+
+def test_auto_gathers_inside_a_node_where_collectives_dominate_and_not_across_nodes():
+    """Per step, forward and backward of 32 layers, on an H100: a 24 x 24-patch frame in 3
+    bands inside a node (NVLink, 11 us a collective; 3 ranks do not share 16 heads):
+    gather 1.24 ms, ring 1.86 ms (two latencies a layer and direction that its tiny blocks
+    cannot hide). A 4032 px image (288 x 288) in 16 bands over 2 nodes (one 48 GB/s NIC
+    a GPU, 30 us a collective): Ulysses 70 ms, ring 330 ms, gather 798 ms."""
+    prices = exchange_prices(RULE, macs=True, ranks_per_node=8)
+    small = [b.h * b.w for b in RULE.bands((1, 24, 24), 3)]
+    costs = {kind: max(prices.frame_prices(small, kind, None)) * MS for kind in ("gather", "ring")}
+    assert math.isclose(costs["gather"], 1.24, rel_tol=0.01), costs
+    assert math.isclose(costs["ring"], 1.86, rel_tol=0.01), costs
+    assert prices.cheapest(small, None)[0] == "gather"
+    large = [b.h * b.w for b in RULE.bands((1, 288, 288), 16)]
+    across = (0,) * 8 + (1,) * 8
+    costs = {k: max(prices.frame_prices(large, k, across)) * MS for k in ("gather", "ring")}
+    costs["ulysses"] = max(prices.frame_prices(large, "ulysses", tuple(range(16)))) * MS
+    assert costs["ulysses"] < costs["ring"] < costs["gather"], costs
+    assert prices.cheapest(large, across)[0] == "ulysses"
+    # And as planned: the small frame gathers on one node, the large one goes Ulysses across.
+    planned = _plan([[[1, 24, 24]], [], []], min_band_patches=64)
+    assert list(planned.exchanges.values()) == ["gather"]
+    grids = [[[1, 288, 288]]] + [[[1, 16, 16]] for _ in range(15)]
+    planned = _plan(grids, ranks_per_node=8)
+    (name,) = planned.frames
+    assert {r // 8 for r in _ranks(planned, name)} == {0, 1}
+    assert planned.exchanges[name] == "ulysses"
+
+
+def test_bytes_per_layer_and_direction_are_the_issues_formulas():
+    """``4*N*d*(k-1)/k`` for gather and ring, ``8*N*d*(k-1)/k**2`` for Ulysses (even bands),
+    the backward's on top (gather and ring fetch the keys and values again with their
+    gradients: twice; Ulysses the same again)."""
+    one_layer = BandRule(align=2, min_patches=64, exchange_layers=1, kv_bytes_per_patch=4 * 1280)
+    patches, d = 4096, 1280
+    for k in (2, 4, 8, 16):
+        sizes = [patches // k] * k
+        for kind, directions in (("gather", 3), ("ring", 3), ("ulysses", 2)):
+            inside, across = frame_traffic(one_layer, sizes, kind, None)
+            assert across == 0
+            per_rank = inside / k / directions
+            want = 8 * patches * d * (k - 1) / k**2 if kind == "ulysses" else 4 * patches * d
+            want = want if kind == "ulysses" else want * (k - 1) / k
+            assert per_rank == want, (k, kind)
+    crossing = frame_traffic(one_layer, [1024] * 4, "gather", (0, 0, 1, 1))
+    assert crossing[1] == 2 * crossing[0]  # each rank: one band from its node, two from the other
+
+
+def test_a_frame_spanning_nodes_pays_infiniband_and_its_latency():
+    """A 64 x 64 frame in two bands gathers in 3.58 ms a step on one node (0.70 ms of it the
+    collectives: 11 us, a layer and direction) and 22.9 ms across two (30 us a collective, the
+    bytes at 48 GB/s instead of 350)."""
+    prices = exchange_prices(RULE, macs=True, ranks_per_node=8)
+    sizes = [b.h * b.w for b in RULE.bands((1, 64, 64), 2)]
+    inside = max(prices.frame_prices(sizes, "gather", None)) * MS
+    across = max(prices.frame_prices(sizes, "gather", (0, 1))) * MS
+    latency_inside, latency_across = 64 * 11e-3, 64 * INTER_NODE_COLLECTIVE_SECONDS * 1e3
+    bytes_across = (inside - latency_inside) * 350 / 48
+    assert math.isclose(across, latency_across + bytes_across, rel_tol=1e-9)
+    assert math.isclose(inside, 3.58, rel_tol=0.01) and math.isclose(across, 22.9, rel_tol=0.01)
+
+
+# --- how many bands, across nodes
+
+
+def test_the_cap_is_lifted_across_nodes_where_the_priced_exchange_pays():
+    """16 ranks, 8 a node: a 4032 px image is cut in 16 bands on both nodes (Ulysses, its
+    all-to-all across one NIC a GPU still pays: the old cap was one node's 8 bands); a 160 x
+    160 frame on a tower whose heads Ulysses cannot use is cut in 8, on one node (ring or gather
+    across a NIC would cost more than the 8 more ranks save)."""
+    large = [[[1, 288, 288]]] + [[[1, 16, 16]] for _ in range(15)]
+    planned = _plan(large, ranks_per_node=8)
+    (name,) = planned.frames
+    assert len(set(_ranks(planned, name))) == 16
+    middling = [[[1, 160, 160]]] + [[[1, 16, 16]] for _ in range(15)]
+    planned = _plan(middling, heads=0, ranks_per_node=8)
+    (name,) = planned.frames
+    assert len(set(_ranks(planned, name))) == 8
+    assert {r // 8 for r in _ranks(planned, name)} == {0}
+
+
+def test_one_rank_a_node_plans_bands_as_node_blind_planning_does():
+    planned = _plan(ONE_BINDS, ranks_per_node=1)
+    assert [len(set(_ranks(planned, n))) for n in planned.frames] == [4]
+    assert planned.frames == _plan(ONE_BINDS).frames
+
+
+# --- memory
+
+
+def test_held_activations_follow_the_architecture():
+    # 8 hidden-wide and 2 MLP-wide values a patch and layer in bf16: 32 * d bytes for MLP 4x,
+    # 1.28x the ~25 * d bytes a layer torchtitan measured (../shared/notes/bands.md).
+    assert held_bytes_per_patch(QWEN2_VL) == 32 * 2 * (8 * 1280 + 2 * 5120)
+    assert held_bytes_per_patch(QWEN2_VL) == 32 * 32 * 1280
+    assert RULE.held_bytes_per_patch() == held_bytes_per_patch(QWEN2_VL)  # from the width alone
+
+
+def test_a_budget_cuts_frames_that_bind_nothing_on_ranks_of_their_own():
+    """Four equal 64 x 64 frames (5.4 GB of activations each) on four ranks: balanced, no plan
+    of whole units moves anything; a 3 GB budget cuts each in two bands of at most 3 GB, on two
+    ranks, kept though the makespan gains nothing."""
+    grids = [[[1, 64, 64]] for _ in range(4)]
+    budget = 3 * 10**9
+    assert not _plan(grids).frames
+    for ranks_per_node in (None, 2):
+        planned = _plan(grids, memory_budget=budget, ranks_per_node=ranks_per_node)
+        assert len(planned.frames) == 4
+        held = held_bytes_per_patch(QWEN2_VL)
+        for name, indices in planned.frames.items():
+            bands = [planned.units_O[name[0]][i] for i in indices]
+            assert len(bands) >= math.ceil(64 * 64 * held / budget)
+            assert all(unit_rows(b) * held <= budget for b in bands)
+            assert len(set(_ranks(planned, name))) == len(bands)
+        per_rank = [0] * 4
+        for name in planned.frames:
+            for r in _ranks(planned, name):
+                per_rank[r] += 1
+        assert per_rank == [2, 2, 2, 2]
+
+
+# --- uneven bands that close a gap
+
+
+def test_an_uneven_cut_closes_the_gap_whole_frames_leave():
+    """Three large frames (40x40, 36x36, 32x32 patches) on rank 0, two small ones on rank 1,
+    nothing binds the step: the best plan of whole frames ends 8% above the mean. One frame is
+    cut in two bands of different sizes, one on each rank: the loads end level (0.2% apart;
+    each band paying its exchange, ~1.1 ms a step at NVLink rates) and the makespan falls by
+    2.5%, over a quarter of the gap."""
+    grids = [[[1, 40, 40], [1, 36, 36], [1, 32, 32]], [[1, 16, 16], [1, 8, 8]]]
+    planned = _plan(grids, min_gain=0.0, min_band_patches=64)
+    whole = _plan(grids, min_gain=0.0, min_band_patches=64, split_images=False)
+    mean = sum(QWEN2_VL(*u) for g in grids for u in g) / 2
+    assert _makespan(whole.plan) > 1.07 * mean
+    (name,) = planned.frames
+    bands = [planned.units_O[name[0]][i] for i in planned.frames[name]]
+    assert len(bands) == 2 and bands[0].h != bands[1].h
+    assert sorted(_ranks(planned, name)) == [0, 1]
+    assert planned.plan.imbalance_after < 0.005
+    assert _makespan(whole.plan) - _makespan(planned.plan) > (_makespan(whole.plan) - mean) / 4
+
+
+# --- every plan
+
+
+grids_strategy = st.lists(
+    st.lists(
+        st.tuples(st.integers(1, 2), st.integers(1, 80), st.integers(1, 80)).map(
+            lambda g: [g[0], 2 * g[1], 2 * g[2]]
+        ),
+        max_size=4,
+    ),
+    min_size=2,
+    max_size=10,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    grids=grids_strategy,
+    ranks_per_node=st.sampled_from([None, 1, 2, 4]),
+    exchange=st.sampled_from(["auto", "gather", "ring", "ulysses"]),
+    budget=st.sampled_from([None, 4 * 10**9, 12 * 10**9]),
+    heads=st.sampled_from([0, 6, 16]),
+)
+def test_every_plan_cuts_frames_into_aligned_bands_covering_them_once_and_alike(
+    grids, ranks_per_node, exchange, budget, heads
+):
+    config = {
+        "ranks_per_node": ranks_per_node,
+        "band_exchange": exchange,
+        "memory_budget": budget,
+        "min_band_patches": 256,
+    }
+    planned = _plan(grids, heads, **config)
+    again = _plan(grids, heads, **config)
+    assert planned.plan.assignment == again.plan.assignment
+    assert (planned.units_O, planned.frames, planned.exchanges) == (
+        again.units_O,
+        again.frames,
+        again.exchanges,
+    )
+    computed = sorted(pair for assigned in planned.plan.assignment for pair in assigned)
+    assert computed == sorted(
+        (r, i) for r, us in enumerate(planned.units_R) for i in range(len(us))
+    )
+    for grid, units in zip(grids, planned.units_O, strict=True):
+        assert sum(unit_rows(u) for u in units) == sum(t * h * w for t, h, w in grid)
+    assert set(planned.exchanges) == set(planned.frames)
+    for name, indices in planned.frames.items():
+        bands = [planned.units_O[name[0]][i] for i in indices]
+        assert indices == list(range(indices[0], indices[0] + len(indices)))  # consecutive
+        assert all(is_band(b) for b in bands) and len(bands) >= 2
+        assert bands[0].first_row == 0 and sum(b.h for b in bands) == bands[0].full_h
+        for before, after in zip(bands, bands[1:], strict=False):
+            assert after.first_row == before.first_row + before.h
+        assert all(b.first_row % 2 == 0 and b.h % 2 == 0 for b in bands)
+        assert all(b.h * b.w >= 256 for b in bands)
+        ranks = _ranks(planned, name)
+        assert len(set(ranks)) == len(ranks)  # a band a rank
+        kind = planned.exchanges[name]
+        if exchange != "auto":
+            divides = heads and heads % len(ranks) == 0
+            assert kind == (exchange if exchange != "ulysses" or divides else "ring")
+        elif kind == "ulysses":
+            assert heads and heads % len(ranks) == 0
+    if budget is not None:  # each band within it, or as many bands as ranks and rows allow
+        held = held_bytes_per_patch(QWEN2_VL)
+        for name, indices in planned.frames.items():
+            bands = [planned.units_O[name[0]][i] for i in indices]
+            most = len(RULE.bands((1, bands[0].full_h, bands[0].w), len(grids)))
+            assert len(bands) == most or all(unit_rows(b) * held <= budget for b in bands)
+        for units in planned.units_O:
+            for u in units:
+                if not is_band(u) and u[0] == 1 and unit_rows(u) * held > budget:
+                    assert len(RULE.bands(u, 2)) == 1 or u[1] * u[2] < 2 * 256, u
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    grids=grids_strategy,
+    ranks_per_node=st.sampled_from([None, 2]),
+    budget=st.sampled_from([None, 4 * 10**9]),
+)
+def test_replica_sets_plan_bands_covering_each_frame_once(grids, ranks_per_node, budget):
+    """Pairs of ranks holding one batch (replica sets) plan bands by the flat path: each
+    split frame's bands aligned, in order, covering it, each computed once."""
+    sets = [(2 * s, 2 * s + 1) for s in range(len(grids))]
+    per_rank = [grid for grid in grids for _ in range(2)]
+    config = {"ranks_per_node": ranks_per_node, "memory_budget": budget, "min_band_patches": 256}
+    planned = _plan(per_rank, sets=sets, **config)
+    assert planned.plan.assignment == _plan(per_rank, sets=sets, **config).plan.assignment
+    for grid, units in zip(grids, planned.units_O, strict=True):
+        assert sum(unit_rows(u) for u in units) == sum(t * h * w for t, h, w in grid)
+    computed = sorted(pair for assigned in planned.plan.assignment for pair in assigned)
+    held = planned.units_R
+    assert computed == sorted((r, i) for r, us in enumerate(held) for i in range(len(us)))
+    assert set(planned.exchanges) == set(planned.frames)
+    for name, indices in planned.frames.items():
+        bands = [planned.units_O[name[0]][i] for i in indices]
+        assert bands[0].first_row == 0 and sum(b.h for b in bands) == bands[0].full_h
+        assert all(b.first_row % 2 == 0 and b.h % 2 == 0 and b.h * b.w >= 256 for b in bands)
