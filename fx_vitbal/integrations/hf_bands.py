@@ -94,6 +94,9 @@ def band_attention(
         scale = query.shape[-1] ** -0.5
         if scaling is not None and abs(scaling - scale) > 1e-12 * scale:
             query = query * (scaling / scale)  # (Bands.attention scales by head_dim ** -0.5)
+        groups = query.shape[1] // key.shape[1]  # grouped-query attention (EXAONE-4.5)
+        if groups > 1:  # each key/value head serves ``groups`` query heads, as repeat_kv does
+            key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
         out = vitbal_bands.attention(query[0], key[0], value[0])  # [heads, S, head_dim]
         return out.transpose(0, 1)[None].contiguous(), None
     if vitbal_lengths is not None:  # lengths from the host: a balanced call
