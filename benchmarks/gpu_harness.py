@@ -4,8 +4,9 @@ and its comparison with the unbalanced model.
 
 NCCL refuses two ranks on one GPU and gloo has no CUDA ``all_to_all``, so the ranks are threads
 of one process on ``multi_threaded_pg`` (backend ``threaded``, cpu + cuda). Real device tensors
-go through every op; the collectives are Python copies that one rank's thread makes for all, so
-this proves correctness, not speed.
+go through every op; the collectives are Python copies that one rank's thread makes for all,
+and the band exchanges' point-to-point messages (which that group cannot send) go through a
+mailbox in place of the library's seam, so this proves correctness, not speed.
 """
 
 import dataclasses
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 import fx_vitbal
 from fx_vitbal.passes.backend import vitbal_backend
-from fx_vitbal.runtime.transport import ops, transfer
+from fx_vitbal.runtime.transport import collectives, ops, transfer
 from fx_vitbal.tools.models import ViTConfig
 from fx_vitbal.tools.omni import LMConfig, OmniEncoderModel, make_inputs
 
@@ -60,6 +61,41 @@ class Context:
 # ---- ranks as threads ----------------------------------------------------------------------
 
 
+class _Mailbox:
+    """Point-to-point messages between ranks that are threads of one threaded process group,
+    which has no send or receive: in place of ``collectives.send_receive`` (the library's seam
+    for the band exchanges among a frame's ranks), a send leaves a copy in its peer's box
+    (first in, first out per sender, receiver and tag) and a receive's ``wait`` takes it."""
+
+    def __init__(self) -> None:
+        self.boxes: defaultdict = defaultdict(list)
+        self.arrived = threading.Condition()
+
+    def send_receive(self, messages, group) -> list:
+        rank = dist.get_rank(group)
+        works = []
+        with self.arrived:
+            for send, tensor, peer, tag in messages:
+                if send:
+                    self.boxes[(group.group_name, rank, peer, tag)].append(tensor.clone())
+                else:
+                    works.append(_Receipt(self, (group.group_name, peer, rank, tag), tensor))
+            self.arrived.notify_all()
+        return works
+
+
+@dataclasses.dataclass
+class _Receipt:
+    mailbox: _Mailbox
+    key: tuple
+    into: torch.Tensor
+
+    def wait(self) -> None:
+        with self.mailbox.arrived:
+            self.mailbox.arrived.wait_for(lambda: self.mailbox.boxes[self.key])
+            self.into.copy_(self.mailbox.boxes[self.key].pop(0))
+
+
 def run_ranks(world: int, fn) -> list:
     """``fn(rank)`` on ``world`` threads, each a rank of a fresh threaded process group.
 
@@ -72,6 +108,7 @@ def run_ranks(world: int, fn) -> list:
     threaded._install_threaded_pg()  # also runs backward on the calling thread, not a pool's
     threaded.ProcessLocalGroup.reset()  # a failed path leaves the abort flag set
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    seam, collectives.send_receive = collectives.send_receive, _Mailbox().send_receive
     store = dist.HashStore()
     results, errors = [None] * world, []
 
@@ -91,6 +128,7 @@ def run_ranks(world: int, fn) -> list:
     for thread in threads:
         thread.join()
     torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    collectives.send_receive = seam
     threaded._uninstall_threaded_pg()
     if errors:
         raise RuntimeError("\n".join(sorted(errors)))
