@@ -1,0 +1,306 @@
+"""Each exchange a split frame's ranks can run (``BalanceConfig.band_exchange``: gather, ulysses,
+ring), forced, gives the unsplit run's outputs and gradients; its messages go among the
+frame's ranks only, and autograd keeps a band rank's own rows, not the whole frame's.
+
+4 gloo ranks as 2 nodes of 2 (``ranks_per_node=2``) where the planner may span nodes; the
+reference tower in float64 on the eager, in-place, planned-ahead and replica-set paths, and
+the Hugging Face Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V towers in float32.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import record_collectives, run_ranks
+
+import fx_vitbal
+from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
+from fx_vitbal.tools.omni import make_inputs
+
+KINDS = ("gather", "ulysses", "ring")
+# Rank 0's 32x32-patch frame binds the step: split into a band on every rank (rank 3 has no
+# image of its own). Costs by l**2: no exchange priced, so the split is the planner's to make.
+GRIDS = [[[1, 32, 32]], [[1, 4, 4]], [[1, 8, 4]], []]
+CONFIG = fx_vitbal.BalanceConfig(cost_model="quadratic", min_band_patches=64)
+
+
+def _loss(outputs) -> torch.Tensor:
+    # Position-dependent: a row restored to the wrong slot changes the loss and its gradients.
+    return sum(
+        (x * torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view_as(x)).sum() for x in outputs
+    )
+
+
+def _step(vit, pixels, grid, call) -> tuple[list[torch.Tensor], list]:
+    """Outputs, then pixel and all-reduced parameter gradients, of ``call(pixels, grid)``."""
+    pixels = pixels.detach().requires_grad_(True)
+    embeds, _, deep = call(pixels, grid)
+    params = list(vit.parameters())
+    grads = torch.autograd.grad(_loss([embeds, *deep]), [pixels, *params])
+    flat = torch.cat([g.flatten() for g in grads[1:]])
+    dist.all_reduce(flat)
+    return [embeds.detach(), *(d.detach() for d in deep), grads[0], flat]
+
+
+def _close(got, want, tolerance: float) -> float:
+    """The largest difference of ``got`` from ``want`` relative to ``want``'s scale."""
+    return max(
+        float((g - w).abs().max() / (w.abs().max() + 1e-30)) if w.numel() else 0.0
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+def _reference_kinds(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
+    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
+    want = _step(vit, pixels, grid, vit)
+    results = {}
+    for kind in KINDS:
+        config = dataclasses.replace(CONFIG, band_exchange=kind, ranks_per_node=2)
+        stats = []
+        handle = fx_vitbal.add_stats_callback(stats.append)
+        with record_collectives() as issued:
+            got = _step(
+                vit,
+                pixels,
+                grid,
+                lambda p, g, c=config: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=c),
+            )
+        handle.remove()
+        results[kind] = {
+            "difference": _close(got, want, 1e-9),
+            "split": (stats[-1].split_units, stats[-1].band_exchanges),
+            "p2p": [(phase, peers) for phase, name, _, peers in issued if name == "p2p"],
+        }
+    return results
+
+
+def test_each_exchange_kind_forced_across_nodes_gives_the_unsplit_outputs_and_gradients():
+    results = run_ranks(_reference_kinds, 4)
+    for kind in KINDS:
+        for rank, res in enumerate(r[kind] for r in results):
+            assert res["difference"] <= 1e-9, (kind, rank, res["difference"])
+            # The frame in four bands, one a rank, across both nodes, by the kind forced.
+            assert res["split"] == (4, (kind,)), (kind, rank, res["split"])
+            assert res["p2p"], (kind, rank)  # every rank holds a band: each exchanged
+            assert {peer for _, peers in res["p2p"] for peer in peers} <= {0, 1, 2, 3} - {rank}
+
+
+# One frame of 32x32 patches split in two (bands of at least 512 patches): two ranks exchange,
+# the other two hold whole images only and must send nothing a layer.
+TWO_BANDS = dataclasses.replace(CONFIG, min_band_patches=512)
+
+
+def _two_band_ranks(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
+    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
+    want = _step(vit, pixels, grid, vit)
+    results = {}
+    for kind in KINDS:
+        config = dataclasses.replace(TWO_BANDS, band_exchange=kind)
+        with record_collectives() as issued:
+            got = _step(
+                vit,
+                pixels,
+                grid,
+                lambda p, g, c=config: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=c),
+            )
+        results[kind] = {
+            "difference": _close(got, want, 1e-9),
+            "p2p": [(phase, peers) for phase, name, _, peers in issued if name == "p2p"],
+            "others": [(phase, name) for phase, name, _, _ in issued if name != "p2p"],
+        }
+    return results
+
+
+def test_a_rank_without_a_band_issues_no_per_layer_exchange():
+    results = run_ranks(_two_band_ranks, 4)
+    for kind in KINDS:
+        per_rank = [r[kind] for r in results]
+        assert all(res["difference"] <= 1e-9 for res in per_rank), kind
+        band_ranks = [rank for rank, res in enumerate(per_rank) if res["p2p"]]
+        assert len(band_ranks) == 2, (kind, band_ranks)
+        for rank in band_ranks:  # each talks to the frame's other rank only
+            peers = {peer for _, peers in per_rank[rank]["p2p"] for peer in peers}
+            assert peers == set(band_ranks) - {rank}, (kind, rank, peers)
+        # The whole group's collectives (gather, the two moves) stay in lockstep.
+        assert len({tuple(res["others"]) for res in per_rank}) == 1, kind
+
+
+def _paths(rank: int, world: int) -> dict:
+    """Ring across nodes on the other paths: a ViT balanced in place, a plan made ahead, and
+    replica sets (ranks 0-1 and 2-3 each hold one batch)."""
+    config = dataclasses.replace(CONFIG, band_exchange="ring", ranks_per_node=2)
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
+    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
+    want = _step(vit, pixels, grid, vit)
+    stats = []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    fx_vitbal.enable_vit_balance(vit, config=config)
+    in_place = _step(vit, pixels, grid, vit)
+    in_place_split = stats[-1].band_exchanges
+    plan_group = dist.new_group(backend="gloo")
+    as_stepped = pixels.detach().requires_grad_(True)  # the step's pixels need gradients
+    planned = fx_vitbal.plan_ahead(vit, as_stepped, grid, group=plan_group, config=config)
+    fx_vitbal.use_plan(vit, planned)
+    ahead = _step(vit, pixels, grid, vit)
+    ahead_split = stats[-1].band_exchanges
+    # Replica sets: ranks 0-1 hold set 0's batch (the large frame), ranks 2-3 set 1's.
+    s = rank // 2
+    set_grids = [[[1, 32, 32], [1, 4, 4]], [[1, 8, 4]]][s]
+    _, set_pixels, set_grid = make_inputs(set_grids, in_dim=24, seed=s, dtype=torch.float64)
+    plain = vit._vitbal_original_forward
+
+    def replicated(p, g):
+        return fx_vitbal.dp_balance_vit_encoder(
+            vit, p, g, config=config, replica_group=[2 * s, 2 * s + 1]
+        )
+
+    embeds, _, deep = plain(set_pixels, set_grid)
+    got_embeds, _, got_deep = replicated(set_pixels, set_grid)
+    handle.remove()
+    return {
+        "in place": (_close(in_place, want, 1e-9), in_place_split),
+        "ahead": (_close(ahead, want, 1e-9), ahead_split),
+        "replicas": (
+            _close([got_embeds, *got_deep], [embeds, *deep], 1e-9),
+            stats[-1].band_exchanges,
+        ),
+    }
+
+
+def test_ring_across_nodes_on_every_path_gives_the_unsplit_outputs():
+    for rank, res in enumerate(run_ranks(_paths, 4)):
+        for path, (difference, exchanges) in res.items():
+            assert difference <= 1e-9, (path, rank, difference)
+            assert exchanges == ("ring",), (path, rank, exchanges)
+
+
+def _three_ranks_of_four_heads(rank: int, world: int) -> tuple:
+    torch.manual_seed(0)
+    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()  # 4 heads
+    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
+    want = _step(vit, pixels, grid, vit)
+    config = dataclasses.replace(CONFIG, band_exchange="ulysses")
+    stats = []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    got = _step(
+        vit, pixels, grid, lambda p, g: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=config)
+    )
+    handle.remove()
+    return _close(got, want, 1e-9), stats[-1].split_units, stats[-1].band_exchanges
+
+
+def test_ulysses_with_heads_that_do_not_divide_among_the_frames_ranks_falls_back_to_ring():
+    for difference, split_units, exchanges in run_ranks(_three_ranks_of_four_heads, 3):
+        assert split_units == 3 and exchanges == ("ring",)  # 4 heads, 3 bands: by rule
+        assert difference <= 1e-9
+
+
+def _flat_grads(module: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, zeros for one that got none (an output nobody read)."""
+    return torch.cat(
+        [p.grad.flatten() if p.grad is not None else 0 * p.flatten() for p in module.parameters()]
+    )
+
+
+# A small vision config the Qwen2.5-VL, Qwen3-VL and GLM-4V towers share (4 heads: ulysses on
+# 4 ranks shares one out to each).
+SMALL = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64)
+
+
+def _hf_towers(rank: int, world: int) -> dict:
+    from transformers.models.glm4v import modeling_glm4v
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    towers = {
+        "qwen2_vl": (
+            modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel,
+            modeling_qwen2_vl.Qwen2VLVisionConfig(
+                depth=2, embed_dim=64, hidden_size=64, num_heads=4, mlp_ratio=2
+            ),
+            KINDS,
+        ),
+        "qwen2_5_vl": (
+            modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel,
+            modeling_qwen2_5_vl.Qwen2_5_VLVisionConfig(
+                **SMALL,
+                fullatt_block_indexes=[1],
+                window_size=112,
+            ),
+            ("ring",),
+        ),
+        "qwen3_vl": (
+            modeling_qwen3_vl.Qwen3VLVisionModel,
+            modeling_qwen3_vl.Qwen3VLVisionConfig(
+                **SMALL,
+                num_position_embeddings=144,
+                deepstack_visual_indexes=[0],
+            ),
+            ("ulysses",),
+        ),
+        "glm4v": (
+            modeling_glm4v.Glm4vVisionModel,
+            modeling_glm4v.Glm4vVisionConfig(
+                **SMALL,
+                image_size=112,
+            ),
+            ("gather",),
+        ),
+    }
+    # Whole windows of 8 rows (Qwen2.5-VL); every rank an image (a tower cannot run on none).
+    grids = [[[1, 32, 32]], [[1, 8, 8]], [[1, 8, 16]], [[1, 8, 8]]]
+    results = {}
+    for family, (cls, original_config, kinds) in towers.items():
+        original_config._attn_implementation = "sdpa"
+        for kind in kinds:
+            vision_config = copy.deepcopy(original_config)  # balancing sets its attention
+            torch.manual_seed(0)
+            tower = cls._from_config(vision_config)
+            width = tower.config.in_channels * tower.config.temporal_patch_size
+            width *= tower.config.patch_size**2
+            grid = torch.tensor(grids[rank], dtype=torch.long).view(-1, 3)
+            gen = torch.Generator().manual_seed(rank)
+            pixels = torch.randn(int(grid.prod(1).sum()), width, generator=gen)
+            want = tower(pixels.clone().requires_grad_(True), grid_thw=grid).pooler_output
+            config = dataclasses.replace(CONFIG, band_exchange=kind, ranks_per_node=2)
+            fx_vitbal.enable_vit_balance(tower, config=config)
+            stats = []
+            handle = fx_vitbal.add_stats_callback(stats.append)
+            x = pixels.clone().requires_grad_(True)
+            got = tower(x, grid_thw=grid).pooler_output
+            handle.remove()
+            weights = torch.linspace(-1, 1, got.numel()).view_as(got)
+            (got * weights).sum().backward()
+            grads = _flat_grads(tower)
+            dist.all_reduce(grads)
+            plain_tower = cls._from_config(copy.deepcopy(original_config))
+            plain_tower.load_state_dict(tower.state_dict())
+            y = pixels.clone().requires_grad_(True)
+            plain = plain_tower(y, grid_thw=grid).pooler_output
+            (plain * weights).sum().backward()
+            want_grads = _flat_grads(plain_tower)
+            dist.all_reduce(want_grads)
+            results[(family, kind)] = {
+                "difference": _close(
+                    [got.detach(), x.grad, grads], [want.detach(), y.grad, want_grads], 1e-5
+                ),
+                "split": (stats[-1].split_units, stats[-1].band_exchanges),
+            }
+    return results
+
+
+def test_hugging_face_towers_run_each_exchange_across_nodes_exactly():
+    pytest.importorskip("transformers")
+    for rank, res in enumerate(run_ranks(_hf_towers, 4, timeout=600)):
+        for (family, kind), r in res.items():
+            assert r["difference"] <= 1e-5, (family, kind, rank, r["difference"])
+            split_units, exchanges = r["split"]
+            assert split_units >= 2 and exchanges == (kind,), (family, kind, rank, r["split"])
