@@ -24,13 +24,16 @@ class FrameBand:
     it orders and tags the exchanges (ranks sharing bands of two frames must agree on which is
     which, and their batch orders may differ)."""
     kind: str = "gather"
-    """How its ranks exchange (``BalanceConfig.band_exchange``: gather, ulysses, ring)."""
+    """How its ranks exchange (``BalanceConfig.band_exchange``: gather, ulysses, ring, usp)."""
     ranks: tuple[int, ...]
     """The ranks (of the group) computing the frame's bands, in band (row) order."""
     index: int
     """This band's position in ``ranks``."""
     band_rows: tuple[int, ...]
     """Every band's rows (patches), in band order: bands may be uneven."""
+    node_bands: int = 1
+    """For ``usp``: the bands of each Ulysses group (consecutive in band order, one group a
+    node where the plan could place them so); the groups then exchange by ring."""
 
     def __post_init__(self) -> None:
         if self.frame < 0:
@@ -45,6 +48,10 @@ class FrameBand:
             raise ValueError(f"band index {self.index} outside ranks {self.ranks}")
         if min(self.band_rows) < 1:
             raise ValueError(f"every band needs rows, got {self.band_rows}")
+        if self.node_bands < 1 or len(self.ranks) % self.node_bands:
+            raise ValueError(
+                f"{self.node_bands} bands a group do not divide {len(self.ranks)} bands"
+            )
 
     @property
     def num_bands(self) -> int:

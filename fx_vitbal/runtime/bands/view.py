@@ -127,7 +127,7 @@ class Bands:
         ``k``, ``v`` ``[heads, local rows, head_dim]`` in batch order, the result alike (scale
         ``head_dim ** -0.5``, no mask inside a frame). In place of ``gather`` in a layer that
         attends over whole frames: the library then runs the exchange each split frame's plan
-        chose (``BalanceConfig.band_exchange``: gather, ulysses, ring; ``bands.kinds``), among
+        chose (``BalanceConfig.band_exchange``: gather, ulysses, ring, usp; ``bands.kinds``), among
         the frame's ranks only, and autograd keeps only this rank's own rows (memory falls as
         1/k). A rank with no band of a split frame sends nothing; every rank of the group still
         calls it in the same layers (its tower runs anyway). Eager only: a compiled tower
@@ -315,6 +315,7 @@ def attention_layout(
         band = FrameBand(
             frame=ids[name],
             kind=planned.exchanges.get(name, "gather"),
+            node_bands=planned.node_bands.get(name, 1),
             ranks=ranks,
             index=ranks.index(rank),
             band_rows=tuple(planned.rows_O[o][b] for b in planned.frames[name]),
