@@ -120,8 +120,10 @@ class BalanceConfig:
     keys and values), ``ulysses`` (an all-to-all of heads: each rank attends over the whole
     frame for a share of the heads; the heads must divide among the frame's ranks), ``ring``
     (the keys and values pass around the frame's ranks in k-1 steps, an online softmax merging
-    the blocks), or ``auto``: per frame, the kind the exchange model prices lowest where the
-    frame's ranks sit (``fx_vitbal.plan.bands``). A tower that only gathers
+    the blocks), ``usp`` (``ulysses`` inside groups of a node's bands, ``ring`` across the
+    groups: the heads need divide among a node's bands only), or ``auto``: per frame, the kind
+    the exchange model prices lowest where the frame's ranks sit (``fx_vitbal.plan.bands``). A
+    forced kind the heads cannot run becomes ``ring`` by rule. A tower that only gathers
     (``Bands.gather``) always gathers."""
 
     memory_budget: int | None = None
@@ -288,7 +290,8 @@ _FLAGS = (
         "--dp-balance-band-exchange-vit",
         "band_exchange",
         "how a split frame's ranks exchange in each whole-frame attention layer: gather, "
-        "ulysses (heads), ring, or auto (the cheapest where the ranks sit)",
+        "ulysses (heads), ring, usp (ulysses in a node, ring across), or auto (the cheapest "
+        "where the ranks sit)",
         choices=BAND_EXCHANGES,
     ),
     _flag(

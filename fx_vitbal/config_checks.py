@@ -8,7 +8,7 @@ COST_MODELS = ("auto", "quadratic", "polynomial", "architecture", "online")
 STRATEGIES = ("min-move", "lpt")
 SKIP_RULES = ("no-gain", "seed")
 WHEN = ("training", "always")
-BAND_EXCHANGES = ("auto", "gather", "ulysses", "ring")
+BAND_EXCHANGES = ("auto", "gather", "ulysses", "ring", "usp")
 
 
 class FieldError(ValueError):

@@ -66,8 +66,8 @@ class BalanceStats:
     every band of every split frame."""
     band_exchanges: tuple[str, ...] = ()
     """Per frame split into bands (in the plan's frame order), the exchange its ranks ran in
-    each whole-frame attention layer (``BalanceConfig.band_exchange``: ``gather``, ``ulysses``
-    or ``ring``; a tower that only gathers, or compiled, gathers whatever this says)."""
+    each whole-frame attention layer (``BalanceConfig.band_exchange``: ``gather``, ``ulysses``,
+    ``ring`` or ``usp``; a tower that only gathers, or compiled, gathers whatever this says)."""
     deduplicated_rows: int = 0
     """Pixel rows that replica sets (``replica_group``) no longer compute twice: without
     balancing every rank of a set computes the set's whole batch, so this is the sum over sets

@@ -93,7 +93,7 @@ def _gap_cut(u, cost, top, low, rest, nodes, prices: ExchangePrices, config):
         go = min(max(go, least), blocks - least)
         stay = (blocks - go) * align
         bands = [Band(1, stay, w, h, 0), Band(1, h - stay, w, h, stay)]
-        kind, priced = price_cut(bands, rule, prices, nodes, config.band_exchange)
+        kind, priced = price_cut(bands, rule, prices, nodes, config)
         cut = Cut(bands, kind, priced, nodes)
         here, there = cut.costs(cost)
         span = max(top - cost + here, low + there, rest)

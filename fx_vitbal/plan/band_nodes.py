@@ -40,7 +40,7 @@ from fx_vitbal.plan.band_plan import (
     settle,
     spread_bands,
 )
-from fx_vitbal.plan.band_prices import ExchangePrices
+from fx_vitbal.plan.band_prices import ExchangePrices, usp_degree
 from fx_vitbal.plan.bands import Band, BandRule
 from fx_vitbal.plan.replicas import as_held, holders, set_of_ranks
 from fx_vitbal.plan.solve import MAKESPAN_SLACK, solve_plan
@@ -128,16 +128,23 @@ def solve_by_nodes(
         return of
 
     if len(nodes) > 1:  # a frame a node cuts costs it its bands' exchange too
+        items = [_node_items(ref, first, cross, rule, rpn) for ref in refs]
         node_costs = [
-            [first.costs_O[r][j] + sum(getattr(cut_of(r, j), "prices", ())) for r, j in ref]
-            for ref in refs
+            [
+                sum(first.costs_O[r][j] + sum(getattr(cut_of(r, j), "prices", ())) for r, j in item)
+                for item in node_items
+            ]
+            for node_items in items
         ]
         node_plan = solve_plan(
             node_costs,
-            [[unit_rows(first.units_O[r][j]) for r, j in ref] for ref in refs],
+            [[sum(unit_rows(first.units_O[r][j]) for r, j in item) for item in i] for i in items],
             config=nodes_config,
         )
-        assigned = [[refs[src][j] for src, j in node_plan.assignment[n]] for n in range(len(nodes))]
+        assigned = [
+            [ref for src, j in node_plan.assignment[n] for ref in items[src][j]]
+            for n in range(len(nodes))
+        ]
     else:
         assigned = refs
     pieces: dict[tuple[int, int], Cut] = {}  # in-node cuts
@@ -181,6 +188,7 @@ def solve_by_nodes(
         for unit, ds in zip(units, dests, strict=True):
             for entry, d in zip(unit, ds, strict=True):
                 where[entry[:3]] = ranks[d]
+    _by_node(cross, where)
     cuts, where = _merged({**cross, **pieces}, where)
     if not cuts:
         return None
@@ -199,6 +207,40 @@ def solve_by_nodes(
         final = expand(units_O, costs_O, cuts)
     plan, rows_O = rebuild(final.units_O, final.costs_O, dest_O, config)
     return plan, final, cuts, rows_O
+
+
+def _node_items(ref: list, first: Placed, cross: dict, rule: BandRule, rpn: int) -> list[tuple]:
+    """A node's units for the node level, as tuples of ``first``'s ``(owner, index)``: one
+    unit each, but a ``usp`` frame's bands in their Ulysses groups (``usp_degree``
+    consecutive bands), which cross nodes whole so that each group's all-to-all stays on one
+    node's links."""
+    group_of = {}  # (owner, index in first) -> (its frame's first band, its group)
+    for (o, i), cut in cross.items():
+        if cut.kind == "usp":
+            u = usp_degree(rule.heads, len(cut.bands), rpn)
+            start = first.names[(o, i)][1]
+            group_of.update({(o, start + b): ((o, start), b // u) for b in range(len(cut.bands))})
+    items, groups = [], {}
+    for key in ref:
+        if key not in group_of:
+            items.append((key,))
+        elif group_of[key] in groups:
+            items[groups[group_of[key]]] += (key,)
+        else:
+            groups[group_of[key]] = len(items)
+            items.append((key,))
+    return items
+
+
+def _by_node(cross: dict, where: dict) -> None:
+    """Each frame cut across nodes in even bands has its bands renumbered in rank order, so a
+    node's bands of it are consecutive: a ring crosses each node boundary once, and ``usp``'s
+    groups of consecutive bands sit on one node where the node holds a whole group. Even bands
+    cost alike, so no load changes."""
+    for (o, i), cut in cross.items():
+        keys = [(o, i, b) for b in range(len(cut.bands))]
+        if len({(b.h, b.w) for b in cut.bands}) == 1 and all(key in where for key in keys):
+            where.update(zip(keys, sorted(where[key] for key in keys), strict=True))
 
 
 def _in_pieces(cut: Cut, unit, rule: BandRule) -> Cut:

@@ -49,17 +49,18 @@ def price_cut(
     rule: BandRule,
     prices: ExchangePrices | None,
     nodes,
-    forced: str,
+    config: BalanceConfig,
     ranks: Sequence[int] | None = None,
 ) -> tuple[str, list[float]]:
     """``(kind, prices)`` of bands placed on ``nodes`` (computed on ``ranks``, when known): the
-    cheapest kind (``auto``) or the forced one; without a scale for bytes, no price and
-    ``gather`` for ``auto``. Two bands of the frame on one rank: ``gather`` for ``auto`` (the
-    runtime gathers there)."""
+    cheapest kind (``auto``) or the one ``config.band_exchange`` forces; without a scale for
+    bytes, no price and ``gather`` for ``auto``. Two bands of the frame on one rank: ``gather``
+    for ``auto`` (the runtime gathers there)."""
     distinct = len(set(ranks)) if ranks is not None else len(bands)
     if prices is None:
-        kind = "gather" if forced == "auto" else kinds_for(rule, forced, distinct)[0]
-        return kind, [0.0] * len(bands)
+        forced = config.band_exchange
+        rule_kinds = kinds_for(rule, forced, distinct, config.ranks_per_node)
+        return "gather" if forced == "auto" else rule_kinds[0], [0.0] * len(bands)
     kind, priced = _priced(prices, tuple(b.h * b.w for b in bands), nodes, distinct)
     return kind, list(priced)
 
@@ -162,7 +163,7 @@ def cut_frame(u, cost, mean, need, cap, rule, prices, config) -> Cut | None:
         if len(bands) < k:
             return None
         nodes = prices.packed_nodes(k) if prices is not None else None
-        kind, priced = price_cut(bands, rule, prices, nodes, config.band_exchange)
+        kind, priced = price_cut(bands, rule, prices, nodes, config)
         return cost / k + max(priced), Cut(bands, kind, priced, nodes, need > 1)
 
     start = max(2, need)
@@ -186,7 +187,7 @@ def cut_frame(u, cost, mean, need, cap, rule, prices, config) -> Cut | None:
         if need < 2 or len(bands) < 2:
             return None
         nodes = prices.packed_nodes(len(bands)) if prices is not None else None
-        kind, priced = price_cut(bands, rule, prices, nodes, config.band_exchange)
+        kind, priced = price_cut(bands, rule, prices, nodes, config)
         return Cut(bands, kind, priced, nodes, True)
     if need < 2 and best[0] >= cost:
         return None
@@ -264,6 +265,6 @@ def settle(cuts: dict, placed: Placed, rank_of, rule: BandRule, prices, config) 
         o, first = placed.names[key]
         ranks = [rank_of(o, i) for i in range(first, first + len(cut.bands))]
         nodes = nodes_of(ranks, rpn)
-        kind, priced = price_cut(cut.bands, rule, prices, nodes, config.band_exchange, ranks)
+        kind, priced = price_cut(cut.bands, rule, prices, nodes, config, ranks)
         settled[key] = cut._replace(kind=kind, prices=priced, nodes=nodes)
     return settled

@@ -16,6 +16,11 @@ bf16) needs the rest of the frame. Per exchanging layer, its rank moves (the run
   costs its latency plus what of its transfer that compute does not hide, ``max(0, bytes /
   bandwidth - pairs * pair cost)``; the backward sends the blocks round again with their
   gradient accumulators (twice the bytes, behind about twice the compute).
+- ``usp``: ``ulysses`` inside each group of ``u`` consecutive bands (``usp_degree``), then a
+  ``ring`` of the ``k / u`` groups' blocks of ``1/u`` of the heads: per key patch ``kv / u``
+  bytes behind the attention of the group's ``N_g`` queries for those heads. The heads need
+  divide among ``u`` ranks only, and across nodes a band pays ``1/u`` of a ring's bytes, each
+  step hidden behind ``u`` times a ring band's compute.
 
 Where: ranks ``r`` and ``r'`` share a node iff ``r // ranks_per_node == r' // ranks_per_node``
 (node-blind when ``ranks_per_node`` is None or 1: everything at NVLink rates). A frame whose
@@ -46,27 +51,44 @@ from fx_vitbal.plan.bands import (
 
 # The kinds an ``auto`` exchange chooses among, in the order that breaks ties (the simplest,
 # which every tower runs, compiled ones too, first).
-KINDS = ("gather", "ulysses", "ring")
+KINDS = ("gather", "ulysses", "ring", "usp")
 # One collective across nodes: NCCL's small-message all-gather or send/recv over 400 Gb/s
 # InfiniBand takes some 20-40 us on 2-8 nodes (the network's round trip, the NIC and the proxy
 # thread on top of the ~11 us inside a node); no measurement here, the middle of that range.
 INTER_NODE_COLLECTIVE_SECONDS = 30e-6
 # Bytes of the backward over the forward's, per kind (``runtime/bands/kinds.py``).
-BACKWARD_BYTES = {"gather": 2, "ulysses": 1, "ring": 2}
+BACKWARD_BYTES = {"gather": 2, "ulysses": 1, "ring": 2, "usp": 2}
 # What ulysses moves per patch, in units of a patch's keys and values (``kv``: 2 tensors): a
 # peer's patch's queries, keys and values for a rank's heads (3 tensors), then the outputs of
 # the rank's own patches for its peers' heads (1 tensor): ``8*N*d*(k-1)/k**2`` for even bands.
 ULYSSES_QKV, ULYSSES_OUT = 1.5, 0.5
 
 
-def kinds_for(rule: BandRule, forced: str, k: int) -> tuple[str, ...]:
+def usp_degree(heads: int, k: int, ranks_per_node: int | None) -> int:
+    """The bands of each Ulysses group of a frame of ``k`` bands run as ``usp``
+    (``runtime/bands/kinds.py``): the most ``u`` that divides the heads and ``k``, leaves at
+    least two groups, and fits a node (``ranks_per_node``; None or 1: node-blind, any); 0 where
+    no ``u`` of at least 2 does, or the heads are unknown (0)."""
+    if heads < 1:
+        return 0
+    fits = k // 2 if ranks_per_node is None or ranks_per_node < 2 else min(k // 2, ranks_per_node)
+    return max((u for u in range(2, fits + 1) if heads % u == 0 and k % u == 0), default=0)
+
+
+def kinds_for(rule: BandRule, forced: str, k: int, ranks_per_node: int | None) -> tuple[str, ...]:
     """The kinds a frame of ``k`` bands (on ``k`` ranks) may use: the forced one (``ulysses``
-    becomes ``ring``, by rule, where the heads do not divide among the ranks), else every kind
-    (``ulysses`` only where the heads divide)."""
-    heads_divide = rule.heads > 0 and rule.heads % k == 0
+    and ``usp`` become ``ring``, by rule, where the heads do not divide as they need), else
+    every kind (``ulysses`` only where the heads divide among the ranks, ``usp`` where
+    ``usp_degree`` finds groups)."""
+    allowed = {
+        "gather": True,
+        "ulysses": rule.heads > 0 and rule.heads % k == 0,
+        "ring": True,
+        "usp": usp_degree(rule.heads, k, ranks_per_node) > 0,
+    }
     if forced != "auto":
-        return ("ring",) if forced == "ulysses" and not heads_divide else (forced,)
-    return KINDS if heads_divide else tuple(kind for kind in KINDS if kind != "ulysses")
+        return (forced,) if allowed[forced] else ("ring",)
+    return tuple(kind for kind in KINDS if allowed[kind])
 
 
 class Link(NamedTuple):
@@ -97,7 +119,7 @@ class ExchangePrices:
 
     def kinds(self, k: int) -> tuple[str, ...]:
         """``kinds_for`` this rule and forced kind."""
-        return kinds_for(self.rule, self.forced, k)
+        return kinds_for(self.rule, self.forced, k, self.ranks_per_node)
 
     def packed_nodes(self, k: int) -> tuple[int, ...] | None:
         """Where ``k`` bands are assumed to land before the plan places them, the assumption a
@@ -120,6 +142,8 @@ class ExchangePrices:
         kv = self.rule.kv_bytes_per_patch
         if kind == "ulysses":
             return self.rule.exchange_layers * 2 * self._ulysses(sizes, i, nodes)
+        if kind == "usp":
+            return self.rule.exchange_layers * self._usp(sizes, i, nodes)
         spans = nodes is not None and len(set(nodes)) > 1
         link = self.across if spans else self.inside
         other = total - n
@@ -148,6 +172,25 @@ class ExchangePrices:
             for far, (got, out) in links.items()
         )
         return 2 * latency + seconds
+
+    def _usp(self, sizes: Sequence[int], i: int, nodes: Sequence[int] | None) -> float:
+        """One layer, forward and backward: ``ulysses`` in band ``i``'s group, then the ring
+        of its place in every group (the groups' rows, ``1/u`` of the heads)."""
+        u = usp_degree(self.rule.heads, len(sizes), self.ranks_per_node)
+        g, place = divmod(i, u)
+        members = range(g * u, (g + 1) * u)
+        group_nodes = None if nodes is None else [nodes[j] for j in members]
+        heads = 2 * self._ulysses([sizes[j] for j in members], place, group_nodes)
+        ring = range(place, len(sizes), u)
+        link = (
+            self.across if nodes is not None and len({nodes[j] for j in ring}) > 1 else self.inside
+        )
+        rows = sum(sizes[j] for j in members)
+        kv = self.rule.kv_bytes_per_patch / u
+        exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * rows / u)
+        steps = len(sizes) // u - 1
+        other = sum(sizes) - rows
+        return heads + 2 * steps * link.latency + (1 + BACKWARD_BYTES["usp"]) * other * exposed
 
     def frame_prices(
         self, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
@@ -210,7 +253,11 @@ def exchange_prices(
 
 
 def frame_traffic(
-    rule: BandRule, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
+    rule: BandRule,
+    sizes: Sequence[int],
+    kind: str,
+    nodes: Sequence[int] | None,
+    ranks_per_node: int | None = None,
 ) -> tuple[float, float]:
     """``(bytes inside nodes, bytes across nodes)`` the frame's ranks receive in one step,
     forward and backward of every exchanging layer (a ring's blocks each come from the band
@@ -221,8 +268,16 @@ def frame_traffic(
     def far(a: int, b: int) -> bool:
         return nodes is not None and nodes[a] != nodes[b]
 
+    u = usp_degree(rule.heads, k, ranks_per_node) if kind == "usp" else 0
     for i, n in enumerate(sizes):
-        if kind == "ring":
+        if kind == "usp":
+            g, place = divmod(i, u)
+            members = range(g * u, (g + 1) * u)
+            rows = sum(sizes[j] for j in members)
+            heads = [(j, 2 * kv * (ULYSSES_QKV * sizes[j] + ULYSSES_OUT * n) / u) for j in members]
+            before = ((g - 1) % (k // u)) * u + place  # the ring's band before this one
+            pieces = [*heads, (before, (1 + BACKWARD_BYTES[kind]) * kv / u * (total - rows))]
+        elif kind == "ring":
             pieces = [(i - 1) % k, kv * (total - n) * (1 + BACKWARD_BYTES[kind])]
             pieces = [tuple(pieces)]
         elif kind == "gather":
@@ -250,6 +305,6 @@ def step_traffic(step, rule: BandRule | None, ranks_per_node: int) -> tuple[floa
     for name, indices in step.frames.items():
         sizes = [step.units_O[name[0]][i].h * step.units_O[name[0]][i].w for i in indices]
         nodes = [step.computed_by(name[0], i) // ranks_per_node for i in indices]
-        got = frame_traffic(rule, sizes, step.exchanges[name], nodes)
+        got = frame_traffic(rule, sizes, step.exchanges[name], nodes, ranks_per_node)
         inside, across = inside + got[0], across + got[1]
     return inside, across

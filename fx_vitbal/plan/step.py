@@ -24,7 +24,7 @@ from fx_vitbal.plan.band_nodes import cross_cuts, solve_by_nodes, solve_sets
 from fx_vitbal.plan.band_plan import (
     plan_cuts,
 )
-from fx_vitbal.plan.band_prices import ExchangePrices, exchange_prices
+from fx_vitbal.plan.band_prices import ExchangePrices, exchange_prices, usp_degree
 from fx_vitbal.plan.bands import BandRule, exchange_scale
 from fx_vitbal.plan.replicas import as_held, solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
@@ -113,8 +113,10 @@ class StepPlan:
     """The split frames, by name ``(owner, index of their first band)``: their bands' indices
     in the owner's units, in order. Empty on a step that splits nothing."""
     exchanges: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
-    """Each split frame's exchange (``BalanceConfig.band_exchange``: ``gather``, ``ulysses`` or
-    ``ring``), by frame name as in ``frames``."""
+    """Each split frame's exchange (``BalanceConfig.band_exchange``: ``gather``, ``ulysses``,
+    ``ring`` or ``usp``), by frame name as in ``frames``."""
+    node_bands: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    """Each ``usp`` frame's bands per Ulysses group (``band_prices.usp_degree``), by name."""
     note: str | None = None
     """The ``--dp-balance-verbose`` line (``describe_plan``), when asked for."""
 
@@ -292,7 +294,12 @@ def solve_with_bands(
         if closed is not None:
             plan, units, rows_O = closed
             planned = StepPlan(plan, units, units, rows_O=rows_O, frames=_split_frames(units))
-    return dataclasses.replace(planned, exchanges=exchanges)
+    node_bands = {
+        name: usp_degree(rule.heads, len(planned.frames[name]), rpn)
+        for name, kind in exchanges.items()
+        if kind == "usp"
+    }
+    return dataclasses.replace(planned, exchanges=exchanges, node_bands=node_bands)
 
 
 def _with_sets(units_S, costs_S, settings: PlanSettings, sets, only_required, cuts_of):
