@@ -17,6 +17,7 @@ from fx_vitbal.plan.band_prices import (
     INTER_NODE_COLLECTIVE_SECONDS,
     exchange_prices,
     frame_traffic,
+    usp_degree,
 )
 from fx_vitbal.plan.bands import MACS_PER_SECOND, TRAINING_MACS_PER_FORWARD_MAC, BandRule
 from fx_vitbal.plan.step import plan_step
@@ -52,10 +53,44 @@ ONE_BINDS = [[[1, 128, 128]], [[1, 16, 16]], [], [[1, 32, 32]]]  # 16k patches o
 
 
 def test_a_forced_exchange_is_recorded_for_every_split_frame():
-    for kind in ("gather", "ring", "ulysses"):
+    for kind in ("gather", "ring", "ulysses", "usp"):
         planned = _plan(ONE_BINDS, band_exchange=kind)
         assert len(planned.frames) == 1
         assert set(planned.exchanges.values()) == {kind}, kind
+        # usp's groups: 2 of the 4 bands each (node-blind: the most that leaves two groups).
+        assert planned.node_bands == ({name: 2 for name in planned.frames} if kind == "usp" else {})
+
+
+def test_usp_groups_divide_the_heads_and_fit_a_node_else_ring_by_rule():
+    assert usp_degree(16, 64, 8) == 8  # a node's 8 ranks share 16 heads out; 8 rings of 8
+    assert usp_degree(16, 16, None) == 8  # node-blind: the most that leaves two groups
+    assert usp_degree(12, 24, 8) == 6 and usp_degree(16, 12, 8) == 4
+    assert usp_degree(16, 3, 8) == 0 and usp_degree(16, 2, 8) == 0 and usp_degree(7, 10, 8) == 0
+    assert usp_degree(0, 16, 8) == 0  # heads unknown (BandSupport without heads)
+    planned = _plan(ONE_BINDS, heads=3, band_exchange="usp")  # 4 bands: no group divides 3
+    assert set(planned.exchanges.values()) == {"ring"} and planned.node_bands == {}
+    planned = _plan(ONE_BINDS, heads=6, band_exchange="usp", ranks_per_node=2)
+    (name,) = planned.frames
+    assert planned.exchanges[name] == "usp" and planned.node_bands[name] == 2
+    # Each group of two consecutive bands sits on one node of two ranks.
+    assert [r // 2 for r in _ranks(planned, name)] == [0, 0, 1, 1]
+
+
+def test_a_frame_cut_into_more_bands_than_the_heads_runs_usp_with_each_group_on_one_node():
+    """A 4032 px image (288 x 288 patches, 9.25 s of Qwen2-VL-7B's tower a step) among 63 small
+    ones on 64 ranks of 8 a node: Ulysses alone stops at 16 bands (16 heads), ring and gather
+    across nodes cost 0.8 s a band; usp cuts it into a multiple of 8 bands, each node's 8 bands
+    one group (Ulysses on NVLink), the groups' ring across nodes hidden behind their attention
+    (18 ms a band)."""
+    grids = [[[1, 288, 288]]] + [[[1, 16, 16]] for _ in range(63)]
+    planned = _plan(grids, ranks_per_node=8)
+    (name,) = planned.frames
+    ranks = _ranks(planned, name)
+    assert planned.exchanges[name] == "usp" and planned.node_bands[name] == 8
+    assert len(ranks) > 16 and len(ranks) % 8 == 0 and len(set(ranks)) == len(ranks)
+    assert all(len({r // 8 for r in ranks[g : g + 8]}) == 1 for g in range(0, len(ranks), 8))
+    mean = sum(planned.plan.loads_before) / 64
+    assert _makespan(planned.plan) / mean < 1.35  # whole frame: 63x the mean
 
 
 def test_ulysses_falls_back_to_ring_by_rule_where_the_heads_do_not_divide():
@@ -71,7 +106,9 @@ def test_auto_gathers_inside_a_node_where_collectives_dominate_and_not_across_no
     bands inside a node (NVLink, 11 us a collective; 3 ranks do not share 16 heads):
     gather 1.24 ms, ring 1.86 ms (two latencies a layer and direction that its tiny blocks
     cannot hide). A 4032 px image (288 x 288) in 16 bands over 2 nodes (one 48 GB/s NIC
-    a GPU, 30 us a collective): Ulysses 70 ms, ring 330 ms, gather 798 ms."""
+    a GPU, 30 us a collective): usp 11.8 ms (Ulysses among each node's 8 bands, a ring of the
+    two nodes' blocks of 2 heads behind their attention), Ulysses 39 ms (70 ms with every band
+    on a node of its own), ring 330 ms, gather 798 ms."""
     prices = exchange_prices(RULE, macs=True, ranks_per_node=8)
     small = [b.h * b.w for b in RULE.bands((1, 24, 24), 3)]
     costs = {kind: max(prices.frame_prices(small, kind, None)) * MS for kind in ("gather", "ring")}
@@ -81,17 +118,22 @@ def test_auto_gathers_inside_a_node_where_collectives_dominate_and_not_across_no
     large = [b.h * b.w for b in RULE.bands((1, 288, 288), 16)]
     across = (0,) * 8 + (1,) * 8
     costs = {k: max(prices.frame_prices(large, k, across)) * MS for k in ("gather", "ring")}
-    costs["ulysses"] = max(prices.frame_prices(large, "ulysses", tuple(range(16)))) * MS
-    assert costs["ulysses"] < costs["ring"] < costs["gather"], costs
-    assert prices.cheapest(large, across)[0] == "ulysses"
-    # And as planned: the small frame gathers on one node, the large one goes Ulysses across.
+    costs["ulysses"] = max(prices.frame_prices(large, "ulysses", across)) * MS
+    costs["usp"] = max(prices.frame_prices(large, "usp", across)) * MS
+    apart = max(prices.frame_prices(large, "ulysses", tuple(range(16)))) * MS
+    assert math.isclose(costs["usp"], 11.8, rel_tol=0.01), costs
+    assert math.isclose(costs["ulysses"], 39.2, rel_tol=0.01), costs
+    assert math.isclose(apart, 70.2, rel_tol=0.01), apart
+    assert costs["usp"] < costs["ulysses"] < costs["ring"] < costs["gather"], costs
+    assert prices.cheapest(large, across)[0] == "usp"
+    # And as planned: the small frame gathers on one node, the large one goes usp across.
     planned = _plan([[[1, 24, 24]], [], []], min_band_patches=64)
     assert list(planned.exchanges.values()) == ["gather"]
     grids = [[[1, 288, 288]]] + [[[1, 16, 16]] for _ in range(15)]
     planned = _plan(grids, ranks_per_node=8)
     (name,) = planned.frames
-    assert {r // 8 for r in _ranks(planned, name)} == {0, 1}
-    assert planned.exchanges[name] == "ulysses"
+    assert [r // 8 for r in _ranks(planned, name)] == [0] * 8 + [1] * 8
+    assert planned.exchanges[name] == "usp" and planned.node_bands[name] == 8
 
 
 def test_bytes_per_layer_and_direction_are_the_issues_formulas():
