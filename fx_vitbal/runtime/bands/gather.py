@@ -56,26 +56,25 @@ class Gather(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        delta = (dout * out).sum(-1)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         phase, arrived = _gather_kv(ctx.bands, k, v, ctx.group)
         for _, a, b in ctx.bands:
             dq[:, a:b], dk[:, a:b], dv[:, a:b] = block_grads(
-                q[:, a:b], k[:, a:b], v[:, a:b], dout[:, a:b], lse[:, a:b], delta[:, a:b]
+                q[:, a:b], k[:, a:b], v[:, a:b], dout[:, a:b], out[:, a:b], lse[:, a:b]
             )
         phase.wait()
         home, returned = Phase(ctx.group), []
         for (band, a, b), buffers in zip(ctx.bands, arrived, strict=True):
             for j, kv in buffers.items():
                 dq_j, dk_j, dv_j = block_grads(
-                    q[:, a:b], *kv.chunk(2, -1), dout[:, a:b], lse[:, a:b], delta[:, a:b]
+                    q[:, a:b], *kv.chunk(2, -1), dout[:, a:b], out[:, a:b], lse[:, a:b]
                 )
                 dq[:, a:b] += dq_j
                 home.send(torch.cat([dk_j, dv_j], -1), band.ranks[j], band.frame, KV)
                 shape = (k.shape[0], b - a, 2 * k.shape[2])
                 returned.append((a, b, home.recv(shape, k, band.ranks[j], band.frame, KV)))
         home.start()
-        whole_backward(q, k, v, dout, lse, delta, ctx.whole, dq, dk, dv)
+        whole_backward(q, k, v, dout, out, lse, ctx.whole, dq, dk, dv)
         home.wait()
         for a, b, dkv in returned:
             dk_r, dv_r = dkv.chunk(2, -1)

@@ -70,8 +70,7 @@ class Ulysses(torch.autograd.Function):
         phase.start()
         dout_w = _rows(dout, ctx.whole)
         grads_w = [torch.zeros_like(q_w) for _ in range(3)]
-        delta_w = (dout_w * out_w).sum(-1)
-        whole_backward(q_w, k_w, v_w, dout_w, lse_w, delta_w, _packed(ctx.whole), *grads_w)
+        whole_backward(q_w, k_w, v_w, dout_w, out_w, lse_w, _packed(ctx.whole), *grads_w)
         for grad, grad_w in zip((dq, dk, dv), grads_w, strict=True):
             _put_rows(grad, ctx.whole, grad_w)
         phase.wait()
@@ -79,7 +78,7 @@ class Ulysses(torch.autograd.Function):
         for n, (band, _, _) in enumerate(ctx.bands):
             qkv, out_f, lse_f = frames[3 * n : 3 * n + 3]
             dout_f = torch.cat(dout_in[n], 1)  # [h, N, D]
-            grads = block_grads(*qkv.chunk(3, -1), dout_f, lse_f, (dout_f * out_f).sum(-1))
+            grads = block_grads(*qkv.chunk(3, -1), dout_f, out_f, lse_f)
             dqkv_in.append(_heads_of_band(back, band, torch.cat(grads, -1)))
         back.start().wait()
         for (_, a, b), pieces in zip(ctx.bands, dqkv_in, strict=True):
@@ -147,8 +146,7 @@ class Usp(torch.autograd.Function):
         phase.start()
         dout_w = _rows(dout, ctx.whole)
         grads_w = [torch.zeros_like(q_w) for _ in range(3)]
-        delta_w = (dout_w * out_w).sum(-1)
-        whole_backward(q_w, k_w, v_w, dout_w, lse_w, delta_w, _packed(ctx.whole), *grads_w)
+        whole_backward(q_w, k_w, v_w, dout_w, out_w, lse_w, _packed(ctx.whole), *grads_w)
         for grad, grad_w in zip((dq, dk, dv), grads_w, strict=True):
             _put_rows(grad, ctx.whole, grad_w)
         phase.wait()

@@ -67,7 +67,6 @@ def ring_forward(q, k, v, whole, bands, group) -> tuple[torch.Tensor, torch.Tens
 
 def ring_backward(q, k, v, out, lse, dout, whole, bands, group) -> tuple[torch.Tensor, ...]:
     """``(dq, dk, dv)`` of ``Ring``'s backward."""
-    delta = (dout * out).sum(-1)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     current = [torch.cat([k[:, a:b], v[:, a:b]], -1) for _, a, b in bands]
     acc: list[torch.Tensor | None] = [None] * len(bands)  # dK/dV [H, rows, 2D] of a block
@@ -81,12 +80,12 @@ def ring_backward(q, k, v, out, lse, dout, whole, bands, group) -> tuple[torch.T
                 incoming[n] = _pass_acc(phase, band, acc[n], step)
         phase.start()
         if step == last:  # the last phase has no block to compute: hide its hop
-            whole_backward(q, k, v, dout, lse, delta, whole, dq, dk, dv)
+            whole_backward(q, k, v, dout, out, lse, whole, dq, dk, dv)
         for n, (band, a, b) in enumerate(bands):
             if step >= band.num_bands:
                 continue
             dq_s, dk_s, dv_s = block_grads(
-                q[:, a:b], *current[n].chunk(2, -1), dout[:, a:b], lse[:, a:b], delta[:, a:b]
+                q[:, a:b], *current[n].chunk(2, -1), dout[:, a:b], out[:, a:b], lse[:, a:b]
             )
             dq[:, a:b] += dq_s
             if step == 0:  # own block: kept here until its accumulator comes home
