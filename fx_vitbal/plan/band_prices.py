@@ -56,6 +56,10 @@ KINDS = ("gather", "ulysses", "ring", "usp")
 # InfiniBand takes some 20-40 us on 2-8 nodes (the network's round trip, the NIC and the proxy
 # thread on top of the ~11 us inside a node); no measurement here, the middle of that range.
 INTER_NODE_COLLECTIVE_SECONDS = 30e-6
+# The largest band over the smallest that ``auto`` still gives to ``ulysses`` or ``usp`` (whose
+# ranks share the attention out evenly by heads): an even cut's bands differ by at most one
+# ``align`` block of rows (4032 px in 64 bands: 2 or 3 blocks), an uneven cut's much more.
+EVEN_SPREAD = 1.5
 # Bytes of the backward over the forward's, per kind (``runtime/bands/kinds.py``).
 BACKWARD_BYTES = {"gather": 2, "ulysses": 1, "ring": 2, "usp": 2}
 # What ulysses moves per patch, in units of a patch's keys and values (``kv``: 2 tensors): a
@@ -202,13 +206,31 @@ class ExchangePrices:
         self, sizes: Sequence[int], nodes: Sequence[int] | None, ranks: int | None = None
     ) -> tuple[str, list[float]]:
         """The kind whose dearest band costs least (ties: ``KINDS`` order) among those a frame
-        on ``ranks`` ranks may use (``kinds``; default: one a band), and its prices."""
+        on ``ranks`` ranks may use (``kinds``; default: one a band), and its prices. ``auto``
+        takes ``ulysses`` only for bands about even (``EVEN_SPREAD``) and ``usp`` only for
+        bands about even in each group: they share the attention out by heads, so each rank
+        computes an equal share of it whatever its rows, while a band is costed by its rows
+        (an uneven cut's small band would compute far more than planned)."""
         best = None
         for kind in self.kinds(ranks or len(sizes)):
+            if self.forced == "auto" and not _even_for(kind, sizes, self):
+                continue
             prices = self.frame_prices(sizes, kind, nodes)
             if best is None or max(prices) < max(best[1]):
                 best = (kind, prices)
         return best
+
+
+def _even_for(kind: str, sizes: Sequence[int], prices: ExchangePrices) -> bool:
+    """Whether ``kind``'s ranks compute about the shares of attention their bands are costed
+    by (``ulysses``: the frame's bands, ``usp``: each group's, within ``EVEN_SPREAD``)."""
+    if kind not in ("ulysses", "usp"):
+        return True
+    u = len(sizes)
+    if kind == "usp":
+        u = usp_degree(prices.rule.heads, len(sizes), prices.ranks_per_node)
+    groups = [sizes[g : g + u] for g in range(0, len(sizes), u)]
+    return all(max(group) <= EVEN_SPREAD * min(group) for group in groups)
 
 
 def exchange_prices(
