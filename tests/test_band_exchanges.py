@@ -313,3 +313,33 @@ def test_hugging_face_towers_run_each_exchange_across_nodes_exactly():
             assert r["difference"] <= 1e-5, (family, kind, rank, r["difference"])
             split_units, exchanges = r["split"]
             assert split_units >= 2 and exchanges == (kind,), (family, kind, rank, r["split"])
+
+
+def test_block_math_fused_on_cpu_and_written_out_agree_with_autograd(monkeypatch):
+    """The block math every kind runs (``bands.blocks``): attention over two key blocks merged
+    by their logsumexps, and each block's gradients from the whole attention's output and
+    logsumexp, equal plain softmax attention and its autograd gradients, on CPU by the fused
+    kernel and written out (the path of other devices)."""
+    from fx_vitbal.runtime.bands import blocks
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(3, n, 8, generator=gen, dtype=torch.float64) for n in (5, 9, 9, 5))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    s = leaves[0] @ leaves[1].transpose(-2, -1) * 8**-0.5
+    want = torch.softmax(s, -1) @ leaves[2]
+    want_grads = torch.autograd.grad(want, leaves, dout)
+    for fused in (True, False):
+        monkeypatch.setattr(blocks, "_fused", lambda q, k, fused=fused: fused)
+        softmax = blocks.OnlineSoftmax(q)
+        softmax.add(k[:, :4], v[:, :4])
+        softmax.add(k[:, 4:], v[:, 4:])
+        out, lse = softmax.result()
+        first, second = (
+            blocks.block_grads(q, k[:, rows], v[:, rows], dout, out, lse)
+            for rows in (slice(0, 4), slice(4, 9))
+        )
+        dq = first[0] + second[0]  # queries pay to both blocks
+        dk, dv = (torch.cat([first[i], second[i]], 1) for i in (1, 2))  # each block its own keys
+        assert torch.allclose(out, want, atol=1e-12, rtol=0), fused
+        for got, expected in zip((dq, dk, dv), want_grads, strict=True):
+            assert torch.allclose(got, expected, atol=1e-12, rtol=0), fused

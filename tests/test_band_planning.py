@@ -61,6 +61,23 @@ def test_a_forced_exchange_is_recorded_for_every_split_frame():
         assert planned.node_bands == ({name: 2 for name in planned.frames} if kind == "usp" else {})
 
 
+def test_auto_gives_ulysses_and_usp_only_bands_about_even():
+    """Ulysses and usp share a frame's (a group's) attention out by heads, evenly whatever the
+    bands' rows: ``auto`` gives them only bands within ``EVEN_SPREAD`` of each other, or an
+    uneven cut's small band would compute far more than its rows were costed at."""
+    prices = exchange_prices(RULE, macs=True, ranks_per_node=8)
+    even = [b.h * b.w for b in RULE.bands((1, 288, 288), 16)]  # 18 rows each
+    assert prices.cheapest(even, None)[0] == "ulysses"
+    uneven = [2 * even[0], *even[1:]]  # one band twice the others
+    assert prices.cheapest(uneven, None)[0] not in ("ulysses", "usp")
+    # Forced, the kind runs as asked: its price is the user's to pay.
+    forced = exchange_prices(RULE, macs=True, ranks_per_node=8, forced="ulysses")
+    assert forced.cheapest(uneven, None)[0] == "ulysses"
+    across = tuple(i // 8 for i in range(16))
+    assert prices.cheapest(even, across)[0] == "usp"
+    assert prices.cheapest(uneven, across)[0] not in ("ulysses", "usp")
+
+
 def test_usp_groups_divide_the_heads_and_fit_a_node_else_ring_by_rule():
     assert usp_degree(16, 64, 8) == 8  # a node's 8 ranks share 16 heads out; 8 rings of 8
     assert usp_degree(16, 16, None) == 8  # node-blind: the most that leaves two groups
