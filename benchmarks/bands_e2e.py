@@ -16,10 +16,26 @@ after a warm-up, runs interleaved and started at a barrier; the step ends when t
 does. CPU time (the process, gloo's threads included) is a rank's own work, robust to other jobs
 on a shared machine; wall time is what the step took here. fp32, one thread per rank.
 
+4. ``--three-frames`` (issue 43, item 6: uneven bands where they close a gap), instead of 1-3:
+   rank 0 holds three large frames (40x40, 36x36 and 32x32 patches), rank 1 two small ones
+   (16x16, 8x8), through Hugging Face's Qwen2-VL tower (depth 4, width 128, 4 heads) balanced
+   in place (``enable_vit_balance``: ``dp_balance_vit_encoder`` wants the ViT contract's tuple,
+   not a tower's ``ModelOutput``). No frame costs more than the mean load, so none binds the
+   step; the best whole-frame plan (the 40x40 frame moves) leaves rank 0 above the mean (5% by
+   this tower's architecture model), a gap only an uneven band of one of rank 0's frames can
+   close, and the planner cuts one only where the cost model prices the exchange: the
+   architecture model at H100 rates, or the online model from measured times (``l**2`` prices
+   none). So each cost model runs with whole frames and with bands, beside the unbalanced step
+   and the ideal (both ranks' unbalanced work over 2); times are the best of ``--repeats`` (3)
+   steps with the median beside, a run's steps with and without bands apart, and every timed
+   step's outputs and all-reduced parameter gradients are compared with the unbalanced run's.
+
     python benchmarks/bands_e2e.py [--repeats 7] [--depth 8]
+    python benchmarks/bands_e2e.py --three-frames [--repeats 3] [--depth 4]
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -121,20 +137,20 @@ def _rank(rank: int, world: int, repeats: int, depth: int, out: str) -> None:
     torch.save(result, os.path.join(out, f"{rank}.pt"))
 
 
-def _entry(rank, world, tmp, repeats, depth):
+def _entry(rank, world, tmp, repeats, depth, body):
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        _rank(rank, world, repeats, depth, tmp)
+        body(rank, world, repeats, depth, tmp)
     finally:
         dist.destroy_process_group()
 
 
-def run(world: int, repeats: int, depth: int) -> list[dict]:
+def run(world: int, repeats: int, depth: int, body=_rank) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _entry, args=(world, tmp, repeats, depth), nprocs=world, start_method="spawn"
+            _entry, args=(world, tmp, repeats, depth, body), nprocs=world, start_method="spawn"
         )
         return [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
 
@@ -160,13 +176,175 @@ def report(title: str, results: list[dict], alone_ranks: list[int]) -> None:
     print()
 
 
+# 4. Three large frames on rank 0, two small on rank 1, Hugging Face's Qwen2-VL tower.
+THREE_GRIDS = [[[1, 40, 40], [1, 36, 36], [1, 32, 32]], [[1, 16, 16], [1, 8, 8]]]
+COST_MODELS = ("auto", "quadratic", "online")  # auto: the architecture model (H100 prices)
+ONLINE_WARMUP = 10  # calls before timing: the online fit stands alone after 16 rank-steps
+
+
+def _three_runs() -> dict:
+    """Each run's config (None: the tower unbalanced)."""
+    runs = {"unbalanced": None}
+    for model in COST_MODELS:
+        base = fx_vitbal.BalanceConfig(
+            cost_model=model, trigger_threshold=0.0, min_gain=0.0, min_band_patches=64
+        )
+        runs[f"whole frames, {model}"] = dataclasses.replace(base, split_images=False)
+        runs[f"bands, {model}"] = base
+    return runs
+
+
+def _hf_tower(depth: int):
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+
+    vision = qwen2_vl.Qwen2VLVisionConfig(
+        depth=depth, embed_dim=128, hidden_size=256, num_heads=4, mlp_ratio=4
+    )
+    vision._attn_implementation = "sdpa"
+    return qwen2_vl.Qwen2VisionTransformerPretrainedModel._from_config(vision)
+
+
+def _hf_step(tower, pixels, grid) -> torch.Tensor:
+    tower.zero_grad(set_to_none=True)
+    out = tower(pixels, grid_thw=grid).pooler_output
+    # Position-dependent: a row restored to the wrong slot changes the loss and its gradients.
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach()
+
+
+def _computed(kwargs: dict) -> list[str]:
+    """The units a block computes here, in patches: a band as its rows of its frame's."""
+    bands = kwargs.get("vitbal_bands")
+    if bands is None:
+        cu = kwargs["cu_seqlens"].tolist()
+        return [str(b - a) for a, b in zip(cu, cu[1:], strict=False)]
+    return [
+        f"{u.rows * u.width} of {u.full_rows * u.width} (rows {u.first_row}-{u.first_row + u.rows})"
+        if u.rows < u.full_rows
+        else str(u.frames * u.rows * u.width)
+        for u in bands.units
+    ]
+
+
+def _three_rank(rank: int, world: int, repeats: int, depth: int, out: str) -> None:
+    torch.manual_seed(0)
+    plain = _hf_tower(depth)
+    towers, seen = {}, []
+    for name, config in _three_runs().items():
+        towers[name] = _hf_tower(depth)
+        towers[name].load_state_dict(plain.state_dict())
+        if config is not None:
+            fx_vitbal.enable_vit_balance(towers[name], config=config)
+        towers[name].blocks[0].register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(_computed(kwargs)), with_kwargs=True
+        )
+    grid = torch.tensor(THREE_GRIDS[rank])
+    pixels = torch.randn(
+        int(grid.prod(1).sum()), 1176, generator=torch.Generator().manual_seed(rank)
+    )
+    stats = []  # every balanced call's (a callback keeps a clock: the online model's does)
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    for name, tower in towers.items():  # warm-up; the online model's fit
+        for _ in range(ONLINE_WARMUP if "online" in name else 1):
+            dist.barrier()
+            _hf_step(tower, pixels, grid)
+    samples = {name: [] for name in towers}
+    # Per run: timed steps with bands, the largest differences from the unbalanced run (its
+    # embeddings and all-reduced parameter gradients), and the plan shown (the last with bands).
+    result = {"samples": samples, "split": {name: [] for name in towers}, "diff": {}, "shown": {}}
+    for _ in range(repeats):  # runs interleaved, each started at a barrier
+        for name, tower in towers.items():
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            embeds = _hf_step(tower, pixels, grid)
+            samples[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+            grads = torch.cat([p.grad.flatten() for p in tower.parameters()])
+            dist.all_reduce(grads)
+            if name == "unbalanced":  # first in each round
+                want = embeds, grads
+                result["split"][name].append(False)
+                continue
+            diff = [float((a - b).abs().max()) for a, b in zip((embeds, grads), want, strict=True)]
+            old = result["diff"].get(name, [0.0, 0.0])
+            result["diff"][name] = [*map(max, old, diff), float(grads.abs().max())]
+            bands = stats[-1].split_units > 0
+            result["split"][name].append(bands)
+            if bands or not any(result["split"][name]):
+                result["shown"][name] = dataclasses.asdict(stats[-1]), seen[-1]
+    handle.remove()
+    torch.save(result, os.path.join(out, f"{rank}.pt"))
+
+
+def report_three(depth: int, repeats: int, results: list[dict]) -> None:
+    def makespans(name: str, k: int, steps) -> list[float]:  # the slowest rank's, per step
+        return [max(r["samples"][name][i][k] for r in results) for i in steps]
+
+    every = range(repeats)
+    ideal = {  # per repeat: both ranks' unbalanced work over the ranks
+        k: [sum(r["samples"]["unbalanced"][i][k] for r in results) / 2 for i in every]
+        for k in (0, 1)
+    }
+    print(
+        f"### 4. Three large frames on rank 0, two small on rank 1, Qwen2-VL tower, depth {depth}\n"
+    )
+    print(
+        f"Best of {repeats} steps (median), ms; speed-up over unbalanced and fraction of the "
+        "ideal's. A run whose timed steps were planned both with and without bands is shown "
+        "twice, its steps apart.\n"
+    )
+    print("| run | steps | CPU | speed-up | of the ideal | wall | speed-up | of the ideal |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    rows = [("unbalanced", "", every), ("ideal", "", every)]
+    for name, split in list(results[0]["split"].items())[1:]:
+        with_bands = [i for i in every if split[i]]
+        without = [i for i in every if not split[i]]
+        rows += [(name, "with bands", with_bands)] if with_bands else []
+        rows += [(name, "no band" if with_bands else "", without)] if without else []
+    for name, label, steps in rows:
+        cells = []
+        for k in (1, 0):
+            times = [ideal[k][i] for i in steps] if name == "ideal" else makespans(name, k, steps)
+            best, base = min(times), min(makespans("unbalanced", k, every))
+            cells += [
+                f"{1e3 * best:.0f} ({1e3 * statistics.median(times):.0f})",
+                f"{base / best:.2f}x",
+                f"{min(ideal[k]) / best:.0%}",
+            ]
+        print(f"| {name} | {f'{len(steps)} {label}'.strip()} | " + " | ".join(cells) + " |")
+    print(
+        "\n| run | plan (reason) | planned imbalance | bands (exchange) | rank 0 computes, "
+        "patches | rank 1 computes | max abs diff embeds | grads (max abs grad) | timed steps "
+        "with bands |"
+    )
+    print("|---|---|---:|---|---|---|---:|---:|---:|")
+    for name, (s, _) in results[0]["shown"].items():
+        exchanges = ", ".join(s["band_exchanges"]) or "-"
+        units = [" + ".join(r["shown"][name][1]) for r in results]
+        embeds = max(r["diff"][name][0] for r in results)  # each rank's own outputs
+        _, grads, scale = results[0]["diff"][name]
+        print(
+            f"| {name} | {'applied' if s['applied'] else 'kept home'} ({s['reason']}) | "
+            f"{s['imbalance_before']:.3f} -> {s['imbalance_after']:.3f} | "
+            f"{s['split_units']} ({exchanges}) | "
+            f"{units[0]} | {units[1]} | {embeds:.1e} | {grads:.1e} ({scale:.1e}) | "
+            f"{sum(results[0]['split'][name])} of {repeats} |"
+        )
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--depth", type=int, default=8, help="the tower's blocks")
+    parser.add_argument("--repeats", type=int, help="7; 3 with --three-frames")
+    parser.add_argument("--depth", type=int, help="the tower's blocks: 8; 4 with --three-frames")
     parser.add_argument("--small", action="store_true", help="2 repeats, depth 2 (a smoke run)")
+    parser.add_argument("--three-frames", action="store_true", help="section 4 only")
     args = parser.parse_args()
-    repeats, depth = (2, 2) if args.small else (args.repeats, args.depth)
+    repeats = args.repeats or (3 if args.three_frames else 7)
+    depth = args.depth or (4 if args.three_frames else 8)
+    repeats, depth = (2, 2) if args.small else (repeats, depth)
+    if args.three_frames:
+        report_three(depth, repeats, run(2, repeats, depth, _three_rank))
+        return
     report(f"1. 2 ranks, depth {depth}", run(2, repeats, depth), [0, 1])
     report(f"2. 4 ranks as 2 replica sets of 2, depth {depth}", run(4, repeats, depth), [0, 2])
 
