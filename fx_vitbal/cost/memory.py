@@ -21,7 +21,7 @@ on the safe side for a budget (a frame it says does not fit may have fit; not th
 
 A band of ``n`` of its frame's ``N`` patches holds ``n / N`` of the frame's activations whatever
 its exchange: each exchange kind keeps only the band's own rows for the backward (the runtime
-fetches the other bands' keys and values again in the backward: ``runtime/bands/kinds.py``,
+fetches the other bands' keys and values again in the backward: ``runtime/bands/``,
 [Note: what autograd keeps]).
 """
 

@@ -3,7 +3,7 @@
 [Note: exchange prices] In every layer that attends over the whole frame, a band of ``n`` of its
 frame's ``N`` patches (``k`` bands; ``kv`` bytes of one patch's keys and values, ``4 * d`` in
 bf16) needs the rest of the frame. Per exchanging layer, its rank moves (the runtime's kinds,
-``runtime/bands/kinds.py``):
+``runtime/bands/``):
 
 - ``gather``: the other bands' keys and values, ``kv * (N - n)`` bytes in (``4*N*d*(k-1)/k``
   for even bands), in one collective; its backward fetches them again and sends their gradients
@@ -60,7 +60,7 @@ INTER_NODE_COLLECTIVE_SECONDS = 30e-6
 # ranks share the attention out evenly by heads): an even cut's bands differ by at most one
 # ``align`` block of rows (4032 px in 64 bands: 2 or 3 blocks), an uneven cut's much more.
 EVEN_SPREAD = 1.5
-# Bytes of the backward over the forward's, per kind (``runtime/bands/kinds.py``).
+# Bytes of the backward over the forward's, per kind (``runtime/bands/``).
 BACKWARD_BYTES = {"gather": 2, "ulysses": 1, "ring": 2, "usp": 2}
 # What ulysses moves per patch, in units of a patch's keys and values (``kv``: 2 tensors): a
 # peer's patch's queries, keys and values for a rank's heads (3 tensors), then the outputs of
@@ -70,7 +70,7 @@ ULYSSES_QKV, ULYSSES_OUT = 1.5, 0.5
 
 def usp_degree(heads: int, k: int, ranks_per_node: int | None) -> int:
     """The bands of each Ulysses group of a frame of ``k`` bands run as ``usp``
-    (``runtime/bands/kinds.py``): the most ``u`` that divides the heads and ``k``, leaves at
+    (``runtime/bands/``): the most ``u`` that divides the heads and ``k``, leaves at
     least two groups, and fits a node (``ranks_per_node``; None or 1: node-blind, any); 0 where
     no ``u`` of at least 2 does, or the heads are unknown (0)."""
     if heads < 1:
