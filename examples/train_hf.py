@@ -36,8 +36,10 @@ gradient there while the other ranks' do. Under DDP, such a rank adds a dummy im
 times zero to its loss, so every parameter gets a gradient, zero (``find_unused_parameters=True``
 would do too, but it warns on every rank whose step uses every parameter); under FSDP2, the tower
 stays in the root's parameter group, gathered on every rank, and the root reduce-scatters zeros
-for the parameters a rank did not use (``set_reduce_scatter_unused_params``). Balanced, every rank
-calls the tower every step: neither is needed, and FSDP2 shards each ViT block on its own.
+for the parameters a rank did not use (``set_reduce_scatter_unused_params``; torch 2.8's FSDP2
+has no such switch, so there ``--wrap fsdp2`` trains the balanced copy alone and says why).
+Balanced, every rank calls the tower every step: neither is needed, and FSDP2 shards each ViT
+block on its own.
 
 ``--sp N`` lays the ranks out as DP x SP (world = dp * N): the N contiguous ranks of an SP group
 (``rank // N``) hold the same batch, sampled by their DP index as "rank" above, and each keeps
@@ -68,7 +70,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import transformers
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import fx_vitbal
@@ -76,6 +78,8 @@ import fx_vitbal
 # Qwen2-VL's token ids in the tiny config below.
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
 TEXT_VOCAB = 100  # text tokens are drawn below the special ids
+# Whether FSDP2 can reduce-scatter zeros for parameters a rank did not use (not on torch 2.8).
+UNUSED_GRADIENTS_REDUCED = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 DUMMY_GRID = (1, 2, 2)  # a text-only rank's dummy image without balancing (DDP): one 2x2 merge
 
 
@@ -364,6 +368,14 @@ def main() -> None:
     # --use-vit-dp-balance: the balanced copy only, as a training script would; else both. The
     # balanced copy reads the --dp-balance-* flags either way.
     compare = not args.use_vit_dp_balance
+    if compare and args.wrap == "fsdp2" and not UNUSED_GRADIENTS_REDUCED:
+        compare = False
+        if rank == 0:
+            print(
+                "no unbalanced FSDP2 baseline: this torch's FSDP2 cannot reduce-scatter zeros "
+                "for a text-only rank's unused tower parameters (set_reduce_scatter_unused_params)"
+                "; training the balanced copy alone"
+            )
     args.use_vit_dp_balance = True
     runs = [make_run(args, device, fx_vitbal.BalanceConfig.from_args(args), sp_group)]
     if compare:

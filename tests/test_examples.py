@@ -160,10 +160,18 @@ def test_train_hf_default_run_prints_speed_up_and_split_frames_without_warnings(
 
 @pytest.mark.slow
 def test_train_hf_fsdp2_trains_the_unbalanced_baseline_beside_the_balanced_copy():
-    """FSDP2 without balancing: rank 1 is text-only in step 2, its tower's parameters unused."""
+    """FSDP2 without balancing: rank 1 is text-only in step 2, its tower's parameters unused.
+    A torch whose FSDP2 cannot reduce-scatter zeros for them (2.8) trains the balanced copy
+    alone and says so."""
+    from torch.distributed.fsdp import FSDPModule
+
     result = _train_hf(2, "--wrap", "fsdp2", "--steps", "2", "--grad-accum", "2")
-    for on, off in _losses(result.stdout, 2):
-        assert math.isclose(on, off, rel_tol=1e-5), result.stdout
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        for on, off in _losses(result.stdout, 2):
+            assert math.isclose(on, off, rel_tol=1e-5), result.stdout
+    else:
+        assert "no unbalanced FSDP2 baseline" in result.stdout, result.stdout
+        assert all(off is None for _, off in _losses(result.stdout, 2)), result.stdout
     assert not [w for w in WARNINGS if w in result.stderr], result.stderr[-3000:]
 
 
