@@ -133,9 +133,13 @@ def test_a_rank_without_a_band_issues_no_per_layer_exchange():
 
 
 def _paths(rank: int, world: int) -> dict:
-    """Ring across nodes on the other paths: a ViT balanced in place, a plan made ahead, and
-    replica sets (ranks 0-1 and 2-3 each hold one batch)."""
-    config = dataclasses.replace(CONFIG, band_exchange="ring", ranks_per_node=2)
+    """Ring and usp across nodes on the other paths: a ViT balanced in place, a plan made
+    ahead, and replica sets (ranks 0-1 and 2-3 each hold one batch)."""
+    return {kind: _paths_of(rank, kind) for kind in ("ring", "usp")}
+
+
+def _paths_of(rank: int, kind: str) -> dict:
+    config = dataclasses.replace(CONFIG, band_exchange=kind, ranks_per_node=2)
     torch.manual_seed(0)
     vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
     _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
@@ -175,11 +179,12 @@ def _paths(rank: int, world: int) -> dict:
     }
 
 
-def test_ring_across_nodes_on_every_path_gives_the_unsplit_outputs():
-    for rank, res in enumerate(run_ranks(_paths, 4)):
-        for path, (difference, exchanges) in res.items():
-            assert difference <= 1e-9, (path, rank, difference)
-            assert exchanges == ("ring",), (path, rank, exchanges)
+def test_ring_and_usp_across_nodes_on_every_path_give_the_unsplit_outputs():
+    for rank, by_kind in enumerate(run_ranks(_paths, 4)):
+        for kind, res in by_kind.items():
+            for path, (difference, exchanges) in res.items():
+                assert difference <= 1e-9, (kind, path, rank, difference)
+                assert exchanges == (kind,), (kind, path, rank, exchanges)
 
 
 def _three_ranks_of_four_heads(rank: int, world: int) -> tuple:
