@@ -41,11 +41,7 @@ class Ulysses(torch.autograd.Function):
             for band, a, b in bands
         ]
         phase.start()
-        # The whole units' rows, copied out so that no saved view keeps the caller's bands.
-        q_w, k_w, v_w = (_rows(t, whole) for t in (q, k, v))
-        out_w, lse_w = torch.zeros_like(q_w), q_w.new_zeros(q_w.shape[:-1])
-        whole_forward(q_w, k_w, v_w, _packed(whole), out_w, lse_w)
-        _put_rows(out, whole, out_w)
+        whole_saved = _whole_forward(q, k, v, whole, out)
         phase.wait()
         back, frames, out_in = Phase(group), [], []
         for (band, _, _), pieces in zip(bands, qkv_in, strict=True):
@@ -56,23 +52,19 @@ class Ulysses(torch.autograd.Function):
         back.start().wait()
         for (_, a, b), pieces in zip(bands, out_in, strict=True):
             out[:, a:b] = torch.cat(pieces, 0)
-        ctx.save_for_backward(q_w, k_w, v_w, out_w, lse_w, *frames)
+        ctx.save_for_backward(*whole_saved, *frames)
         ctx.whole, ctx.bands, ctx.group = whole, bands, group
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q_w, k_w, v_w, out_w, lse_w, *frames = ctx.saved_tensors
+        frames = ctx.saved_tensors[5:]
         dq, dk, dv = (torch.zeros_like(dout) for _ in range(3))
         phase = Phase(ctx.group)
         dout_in = [_rows_of_frame(phase, band, dout[:, a:b]) for band, a, b in ctx.bands]
         phase.start()
-        dout_w = _rows(dout, ctx.whole)
-        grads_w = [torch.zeros_like(q_w) for _ in range(3)]
-        whole_backward(q_w, k_w, v_w, dout_w, out_w, lse_w, _packed(ctx.whole), *grads_w)
-        for grad, grad_w in zip((dq, dk, dv), grads_w, strict=True):
-            _put_rows(grad, ctx.whole, grad_w)
+        _whole_backward(ctx.saved_tensors[:5], dout, ctx.whole, (dq, dk, dv))
         phase.wait()
         back, dqkv_in = Phase(ctx.group), []
         for n, (band, _, _) in enumerate(ctx.bands):
@@ -114,10 +106,7 @@ class Usp(torch.autograd.Function):
             for band, a, b in bands
         ]
         phase.start()
-        q_w, k_w, v_w = (_rows(t, whole) for t in (q, k, v))
-        out_w, lse_w = torch.zeros_like(q_w), q_w.new_zeros(q_w.shape[:-1])
-        whole_forward(q_w, k_w, v_w, _packed(whole), out_w, lse_w)
-        _put_rows(out, whole, out_w)
+        whole_saved = _whole_forward(q, k, v, whole, out)
         phase.wait()
         qkv = torch.cat([torch.cat(pieces, 1) for pieces in qkv_in], 1)  # [h, sum N_g, 3D]
         rings = _rings(bands)
@@ -130,25 +119,21 @@ class Usp(torch.autograd.Function):
         back.start().wait()
         for (_, a, b), pieces in zip(bands, out_in, strict=True):
             out[:, a:b] = torch.cat(pieces, 0)
-        ctx.save_for_backward(q_w, k_w, v_w, out_w, lse_w, qkv, out_r, lse_r)
+        ctx.save_for_backward(*whole_saved, qkv, out_r, lse_r)
         ctx.whole, ctx.bands, ctx.group = whole, bands, group
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q_w, k_w, v_w, out_w, lse_w, qkv, out_r, lse_r = ctx.saved_tensors
+        qkv, out_r, lse_r = ctx.saved_tensors[5:]
         dq, dk, dv = (torch.zeros_like(dout) for _ in range(3))
         phase = Phase(ctx.group)
         dout_in = [
             _rows_of_frame(phase, _node_group(band), dout[:, a:b]) for band, a, b in ctx.bands
         ]
         phase.start()
-        dout_w = _rows(dout, ctx.whole)
-        grads_w = [torch.zeros_like(q_w) for _ in range(3)]
-        whole_backward(q_w, k_w, v_w, dout_w, out_w, lse_w, _packed(ctx.whole), *grads_w)
-        for grad, grad_w in zip((dq, dk, dv), grads_w, strict=True):
-            _put_rows(grad, ctx.whole, grad_w)
+        _whole_backward(ctx.saved_tensors[:5], dout, ctx.whole, (dq, dk, dv))
         phase.wait()
         dout_r = torch.cat([torch.cat(pieces, 1) for pieces in dout_in], 1)
         rings = _rings(ctx.bands)
@@ -200,6 +185,26 @@ def _rings(bands) -> list[tuple[FrameBand, int, int]]:
         rings.append((ring, first, first + rows[g]))
         first += rows[g]
     return rings
+
+
+def _whole_forward(q, k, v, whole, out) -> tuple[torch.Tensor, ...]:
+    """The whole units' attention into ``out``; returns what their backward needs (their q, k,
+    v, out and lse), copied out of the local tensors so that no saved view keeps the caller's
+    band rows alive."""
+    q_w, k_w, v_w = (_rows(t, whole) for t in (q, k, v))
+    out_w, lse_w = torch.zeros_like(q_w), q_w.new_zeros(q_w.shape[:-1])
+    whole_forward(q_w, k_w, v_w, _packed(whole), out_w, lse_w)
+    _put_rows(out, whole, out_w)
+    return q_w, k_w, v_w, out_w, lse_w
+
+
+def _whole_backward(saved, dout, whole, grads) -> None:
+    """The whole units' gradients (``_whole_forward``'s ``saved``) into ``grads`` (dq, dk, dv)."""
+    q_w = saved[0]
+    grads_w = [torch.zeros_like(q_w) for _ in range(3)]
+    whole_backward(*saved[:3], _rows(dout, whole), *saved[3:], _packed(whole), *grads_w)
+    for grad, grad_w in zip(grads, grads_w, strict=True):
+        _put_rows(grad, whole, grad_w)
 
 
 def _rows(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
