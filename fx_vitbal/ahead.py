@@ -51,11 +51,10 @@ from fx_vitbal.runtime.vit.registry import (
 )
 from fx_vitbal.runtime.vit.settings import (
     DEFAULT_CONFIG,
-    BalancedCall,
     layout_token,
     planner_for,
+    python_call,
     replica_ranks,
-    runs_bands,
 )
 
 __all__ = ["PlannedBatch", "plan_ahead", "use_plan"]
@@ -124,16 +123,8 @@ def plan_ahead(
     )
     planner, merge = settings
     replicas = replica_ranks(group, replica_group)
-    call = BalancedCall(
-        merge_size=merge,
-        planner=planner,
-        world_size=dist.get_world_size(group),
-        group_name=group.group_name,
-        module_key=layout_token(module),
-        problem=problem,
-        replicas=replicas,
-        runs_bands=runs_bands(planner),
-    )
+    dist_info = (group.group_name, dist.get_world_size(group), replicas)
+    call = python_call(module, planner, merge, dist_info, problem)
     grid, routing, state, solved = solve_for_rank(
         pixel_values,
         image_grid_thw,

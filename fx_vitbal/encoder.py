@@ -34,11 +34,10 @@ from fx_vitbal.runtime.vit.registry import (
 )
 from fx_vitbal.runtime.vit.settings import (
     DEFAULT_CONFIG,
-    BalancedCall,
     active_group,
     layout_token,
     planner_for,
-    runs_bands,
+    python_call,
 )
 
 
@@ -158,17 +157,7 @@ def _balanced_call(
         embeds, window_index, deepstack = call(pixels, grid, **kwargs)
         return [embeds, *deepstack], window_index
 
-    facts = BalancedCall(
-        merge_size=merge,
-        planner=planner,
-        world_size=dist_info[1],
-        group_name=dist_info[0],
-        module_key=layout_token(vit),
-        problem=problem,
-        grad_fixed=torch.compiler.is_compiling(),
-        replicas=dist_info[2],
-        runs_bands=runs_bands(planner),
-    )
+    facts = python_call(vit, planner, merge, dist_info, problem)
     outputs, window_index, routing = run_balanced(
         run, pixel_values, image_grid_thw, facts, vit, grad_without_images=True
     )

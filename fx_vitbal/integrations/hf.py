@@ -79,11 +79,10 @@ from fx_vitbal.runtime.call import (
 from fx_vitbal.runtime.transport import collectives
 from fx_vitbal.runtime.vit.registry import EntryPoint, is_vision_encoder_class, register_entry_point
 from fx_vitbal.runtime.vit.settings import (
-    BalancedCall,
     active_group,
     layout_token,
     planner_spec_for,
-    runs_bands,
+    python_call,
 )
 
 # Popped by transformers.vision_utils helpers; they describe the pre-balance packed batch.
@@ -247,17 +246,7 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         width = 0 if not torch.compiler.is_compiling() else rule.pixel_width(tower.config)
         rows = empty_pixels(dist_info[0], width, tower.dtype)
         grid_thw = torch.zeros(0, 3, dtype=torch.long, device=rows.device)
-    call = BalancedCall(
-        merge_size=merge,
-        planner=planner,
-        world_size=dist_info[1],
-        group_name=dist_info[0],
-        module_key=layout_token(tower),
-        problem=problem,
-        grad_fixed=torch.compiler.is_compiling(),
-        replicas=dist_info[2],
-        runs_bands=runs_bands(planner),
-    )
+    call = python_call(tower, planner, merge, dist_info, problem)
     outputs, out, _ = run_balanced(
         run,
         rows,

@@ -240,6 +240,25 @@ class BalancedCall(NamedTuple):
         )
 
 
+def python_call(
+    module: nn.Module, planner: str, merge_size: int, dist_info: tuple, problem: int
+) -> BalancedCall:
+    """The facts of a call made from Python code (``dp_balance_vit_encoder``, a tower
+    balanced in place, ``plan_ahead``): ``dist_info`` is ``(group name, world size,
+    replicas)``; compiled only when dynamo traces that code."""
+    return BalancedCall(
+        merge_size=merge_size,
+        planner=planner,
+        world_size=dist_info[1],
+        group_name=dist_info[0],
+        module_key=layout_token(module),
+        problem=problem,
+        grad_fixed=torch.compiler.is_compiling(),
+        replicas=dist_info[2],
+        runs_bands=runs_bands(planner),
+    )
+
+
 def active_group(
     vit: nn.Module,
     config: BalanceConfig,
