@@ -52,27 +52,40 @@ def _close(got, want, tolerance: float) -> float:
     )
 
 
-def _reference_kinds(rank: int, world: int) -> dict:
+def _reference(rank: int) -> tuple:
+    """The reference tower (4 heads, float64), this rank's batch of ``GRIDS`` and its unbalanced
+    step."""
     torch.manual_seed(0)
     vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
     _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
-    want = _step(vit, pixels, grid, vit)
+    return vit, pixels, grid, _step(vit, pixels, grid, vit)
+
+
+def _balanced(vit, pixels, grid, config) -> tuple:
+    """``_step`` through ``dp_balance_vit_encoder``: its results, the call's ``BalanceStats``
+    and the collectives it issued."""
+    stats = []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+    with record_collectives() as issued:
+        got = _step(
+            vit,
+            pixels,
+            grid,
+            lambda p, g: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=config),
+        )
+    handle.remove()
+    return got, stats[-1], issued
+
+
+def _reference_kinds(rank: int, world: int) -> dict:
+    vit, pixels, grid, want = _reference(rank)
     results = {}
     for kind in KINDS:
         config = dataclasses.replace(CONFIG, band_exchange=kind, ranks_per_node=2)
-        stats = []
-        handle = fx_vitbal.add_stats_callback(stats.append)
-        with record_collectives() as issued:
-            got = _step(
-                vit,
-                pixels,
-                grid,
-                lambda p, g, c=config: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=c),
-            )
-        handle.remove()
+        got, stats, issued = _balanced(vit, pixels, grid, config)
         results[kind] = {
             "difference": _close(got, want, 1e-9),
-            "split": (stats[-1].split_units, stats[-1].band_exchanges),
+            "split": (stats.split_units, stats.band_exchanges),
             "p2p": [(phase, peers) for phase, name, _, peers in issued if name == "p2p"],
         }
     return results
@@ -96,20 +109,11 @@ TWO_BANDS = dataclasses.replace(CONFIG, min_band_patches=512)
 
 
 def _two_band_ranks(rank: int, world: int) -> dict:
-    torch.manual_seed(0)
-    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
-    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
-    want = _step(vit, pixels, grid, vit)
+    vit, pixels, grid, want = _reference(rank)
     results = {}
     for kind in KINDS[:3]:  # (usp needs two groups of two bands: with two bands, ring)
         config = dataclasses.replace(TWO_BANDS, band_exchange=kind)
-        with record_collectives() as issued:
-            got = _step(
-                vit,
-                pixels,
-                grid,
-                lambda p, g, c=config: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=c),
-            )
+        got, _, issued = _balanced(vit, pixels, grid, config)
         results[kind] = {
             "difference": _close(got, want, 1e-9),
             "p2p": [(phase, peers) for phase, name, _, peers in issued if name == "p2p"],
@@ -140,10 +144,7 @@ def _paths(rank: int, world: int) -> dict:
 
 def _paths_of(rank: int, kind: str) -> dict:
     config = dataclasses.replace(CONFIG, band_exchange=kind, ranks_per_node=2)
-    torch.manual_seed(0)
-    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()
-    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
-    want = _step(vit, pixels, grid, vit)
+    vit, pixels, grid, want = _reference(rank)
     stats = []
     handle = fx_vitbal.add_stats_callback(stats.append)
     fx_vitbal.enable_vit_balance(vit, config=config)
@@ -188,23 +189,12 @@ def test_ring_and_usp_across_nodes_on_every_path_give_the_unsplit_outputs():
 
 
 def _three_ranks_of_four_heads(rank: int, world: int) -> tuple:
-    torch.manual_seed(0)
-    vit = QwenStyleViT(ViTConfig(deepstack_indexes=(0,))).double()  # 4 heads
-    _, pixels, grid = make_inputs(GRIDS[rank], in_dim=24, seed=rank, dtype=torch.float64)
-    want = _step(vit, pixels, grid, vit)
+    vit, pixels, grid, want = _reference(rank)  # 4 heads
     results = []
     for kind in ("ulysses", "usp"):
         config = dataclasses.replace(CONFIG, band_exchange=kind)
-        stats = []
-        handle = fx_vitbal.add_stats_callback(stats.append)
-        got = _step(
-            vit,
-            pixels,
-            grid,
-            lambda p, g, c=config: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=c),
-        )
-        handle.remove()
-        results.append((_close(got, want, 1e-9), stats[-1].split_units, stats[-1].band_exchanges))
+        got, stats, _ = _balanced(vit, pixels, grid, config)
+        results.append((_close(got, want, 1e-9), stats.split_units, stats.band_exchanges))
     return results
 
 
