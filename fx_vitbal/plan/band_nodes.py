@@ -244,43 +244,47 @@ def _by_node(cross: dict, where: dict) -> None:
 
 
 def _in_pieces(cut: Cut, unit, rule: BandRule) -> Cut:
-    """``cut`` as ``PIECES`` times as many even pieces (as rows allow; not a cut the budget
-    needs), each priced as its rows' share of ``cut``'s exchange."""
+    """``cut`` as ``PIECES`` times as many even pieces (not a cut the budget needs), each
+    priced as its rows' share of ``cut``'s exchange; ``cut`` itself where rows allow fewer
+    pieces: four pieces of a frame that its three even bands would cut 6, 6 and 4 rows are
+    4 rows each, and one rank of the three gets two."""
     k = len(cut.bands)
     if cut.required:
         return cut
     bands = rule.bands(unit, k * PIECES)
-    if len(bands) <= k:
+    if len(bands) < k * PIECES:
         return cut
     per_row = sum(cut.prices) / unit[1]  # the exchange, shared by rows
     return cut._replace(bands=bands, prices=[per_row * b.h for b in bands])
 
 
 def _merged(cuts: dict, where: dict) -> tuple[dict, dict]:
-    """``(cuts, where)``: each frame's pieces regrouped so each rank computing some holds a run
-    of them (ranks in the order of their first piece: the loads stay as planned, a frame's
-    pieces being as even as rows allow) and each run one band; a frame on one rank whole
-    again. Cuts the budget needs keep their bands. ``where``: ``(owner, whole index, band)``
-    -> rank, before and after."""
+    """``(cuts, where)``: each frame's pieces regrouped so each rank computing some holds one
+    run of the frame's rows, as many as its pieces had (ranks in the order of their first
+    piece), one band: a band costs its rows' share of the frame, so every rank's load stays
+    as planned, even where the pieces are not (24 row blocks in 16 pieces: 8 of two blocks, 8
+    of one; a rank holding one of each gets three blocks, not its first two pieces). A frame
+    on one rank is whole again; cuts the budget needs keep their bands. ``where``: ``(owner,
+    whole index, band)`` -> rank, before and after."""
     merged, placed = {}, {key: r for key, r in where.items() if key[:2] not in cuts}
     for (o, i), cut in cuts.items():
         ranks = [where[(o, i, b)] for b in range(len(cut.bands))]
-        counts = dict.fromkeys(ranks, 0)
-        for r in ranks:
-            counts[r] += 1
-        if cut.required or len(counts) == len(ranks):
+        rows = dict.fromkeys(ranks, 0)
+        for r, piece in zip(ranks, cut.bands, strict=True):
+            rows[r] += piece.h
+        if cut.required or len(rows) == len(ranks):
             merged[(o, i)] = cut
             placed.update(((o, i, b), r) for b, r in enumerate(ranks))
             continue
-        if len(counts) == 1:
+        if len(rows) == 1:
             placed[(o, i, 0)] = ranks[0]
             continue
-        bands, at = [], 0
-        for b, (r, n) in enumerate(counts.items()):
-            run = cut.bands[at : at + n]
-            bands.append(Band(1, sum(p.h for p in run), run[0].w, run[0].full_h, run[0].first_row))
+        first, bands = cut.bands[0], []
+        at = first.first_row
+        for b, (r, h) in enumerate(rows.items()):
+            bands.append(Band(1, h, first.w, first.full_h, at))
             placed[(o, i, b)] = r
-            at += n
+            at += h
         merged[(o, i)] = cut._replace(bands=bands, prices=[0.0] * len(bands))
     return merged, placed
 
