@@ -217,17 +217,22 @@ def test_a_frame_alone_on_empty_ranks_is_cut_as_evenly_as_its_rows_allow():
     but for rounding. Planned as twice as many pieces, regrouped a rank a band: 48 rows in 8
     bands were 8, 8, 8, 8, 4, 4, 4, 4 (the pieces, 4 and 2 rows, were paired by count, not
     rows), a third above the mean; 16 rows in 3 bands were 4, 4, 8 (four pieces of the
-    smallest band, one rank two) where 6, 6, 4 fit."""
-    config = fx_vitbal.BalanceConfig(cost_model="quadratic", min_band_patches=64)
-    settings = plan_settings(planner_spec_for(config, None, True, (2, 8, 256, False, 8)))
-    for side in (16, 20, 30, 40, 48, 64, 96):
-        for k in range(2, 9):
-            planned = plan_step([[[1, side, side]]] + [[] for _ in range(k - 1)], settings)
-            rows = [u[1] for u in planned.units_O[0]]
-            assert sum(rows) == side and max(rows) - min(rows) <= 2, (side, k, rows)
-            if k == 8 and side == 48:
-                assert rows == [6] * 8
-                assert _makespan(planned.plan) == side**4 / 8
+    smallest band, one rank two) where 6, 6, 4 fit. Node-aware alike, nodes of 2 or 4 ranks,
+    the last node short too (5 ranks, 4 a node: the lone rank got a 20-row band of 48)."""
+    for ranks_per_node in (None, 2, 4):
+        config = fx_vitbal.BalanceConfig(
+            cost_model="quadratic", min_band_patches=64, ranks_per_node=ranks_per_node
+        )
+        settings = plan_settings(planner_spec_for(config, None, True, (2, 8, 256, False, 8)))
+        for side in (16, 20, 30, 40, 48, 64, 96):
+            for k in range(2, 9):
+                planned = plan_step([[[1, side, side]]] + [[] for _ in range(k - 1)], settings)
+                rows = [u[1] for u in planned.units_O[0]]
+                assert sum(rows) == side, (ranks_per_node, side, k, rows)
+                assert max(rows) - min(rows) <= 2, (ranks_per_node, side, k, rows)
+                if k == 8 and side == 48:
+                    assert rows == [6] * 8
+                    assert _makespan(planned.plan) == side**4 / 8
 
 
 # --- memory

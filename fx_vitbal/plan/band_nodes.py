@@ -71,8 +71,7 @@ def solve_by_nodes(
     budget asks for bands. ``exchange_seconds``: the measured exchange model (``solve_plan``),
     weighed where one solve plans every rank (node-blind)."""
     num_ranks = len(units_O)
-    rpn = config.ranks_per_node
-    rpn = rpn if rpn is not None and 1 < rpn < num_ranks else num_ranks
+    rpn = config.ranks_per_node if by_nodes(config.ranks_per_node, num_ranks) else num_ranks
     mean = sum(map(sum, costs_O)) / num_ranks
     blind = dataclasses.replace(config, ranks_per_node=None)
     # Nothing below the node level evens out what it leaves between nodes: it refines to a
@@ -289,6 +288,19 @@ def _merged(cuts: dict, where: dict) -> tuple[dict, dict]:
     return merged, placed
 
 
+def by_nodes(ranks_per_node: int | None, num_ranks: int) -> bool:
+    """Whether bands are planned by nodes: two nodes or more, all of ``ranks_per_node`` ranks.
+    Else node-blind (each split frame still priced where its bands sit): the node level
+    balances nodes as equals, so a last node of one rank among nodes of four would take a
+    node's share of the work (a 48-row frame alone on 5 ranks, 4 a node: bands of 10, 10, 8
+    rows and one of 20, twice the even share, on the lone rank)."""
+    return (
+        ranks_per_node is not None
+        and 1 < ranks_per_node < num_ranks
+        and (num_ranks % ranks_per_node == 0)
+    )
+
+
 def cross_cuts(cuts: dict, ranks_per_node: int) -> dict:
     """The cuts with more bands than a node has ranks (step 1 of [Note: bands by node])."""
     return {key: cut for key, cut in cuts.items() if len(cut.bands) > ranks_per_node}
@@ -307,8 +319,7 @@ def solve_sets(units_S, costs_S, sets, rule, prices, config, held_per_patch, pla
     units_R, costs_R = as_held(units_S, sets, held), as_held(costs_S, sets, held)
     rpn = config.ranks_per_node
     cuts = plan_cuts(units_R, costs_R)
-    aware = rpn is not None and 1 < rpn < len(units_R)
-    cross = cross_cuts(cuts, rpn) if aware else {}
+    cross = cross_cuts(cuts, rpn) if by_nodes(rpn, len(units_R)) else {}
     only_required = all(cut.required for cut in cuts.values())
     done = solve_by_nodes(
         units_R, costs_R, cross, rule, prices, config, held_per_patch, only_required

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.static import ArchitectureCost, CostModel, OnlineCost
 from fx_vitbal.plan.band_gaps import close_gaps
-from fx_vitbal.plan.band_nodes import cross_cuts, solve_by_nodes, solve_sets
+from fx_vitbal.plan.band_nodes import by_nodes, cross_cuts, solve_by_nodes, solve_sets
 from fx_vitbal.plan.band_plan import (
     plan_cuts,
 )
@@ -252,7 +252,7 @@ def solve_with_bands(
         if sets is not None:
             return _with_sets(units_O, costs_O, settings, sets, only_required, cuts_of)
         cuts = cuts_of(units_O, costs_O, only_required)
-        cross = cross_cuts(cuts, rpn) if rpn is not None and 1 < rpn < num_ranks else {}
+        cross = cross_cuts(cuts, rpn) if by_nodes(rpn, num_ranks) else {}
         done = solve_by_nodes(
             units_O,
             costs_O,
