@@ -248,10 +248,11 @@ def solve_with_bands(
         cuts = plan_cuts(units, costs, num_ranks, rule, prices, config, held)
         return {key: cut for key, cut in cuts.items() if cut.required or not only_required}
 
-    def with_bands(only_required=False):
+    def with_bands(cuts, only_required=False):
         if sets is not None:
             return _with_sets(units_O, costs_O, settings, sets, only_required, cuts_of)
-        cuts = cuts_of(units_O, costs_O, only_required)
+        if only_required:
+            cuts = {key: cut for key, cut in cuts.items() if cut.required}
         cross = cross_cuts(cuts, rpn) if by_nodes(rpn, num_ranks) else {}
         done = solve_by_nodes(
             units_O,
@@ -274,7 +275,7 @@ def solve_with_bands(
 
     cuts = cuts_of(units_O, costs_O)
     whole = None
-    placed = with_bands() if cuts else None
+    placed = with_bands(cuts) if cuts else None
     if placed is not None:
         span = _makespan(placed[0].plan)
         largest = max((c for costs in costs_O for c in costs), default=0.0)
@@ -283,7 +284,7 @@ def solve_with_bands(
             whole = solve(units_O, costs_O)
             if span >= _makespan(whole.plan) * (1.0 - config.min_gain):
                 required = any(cut.required for cut in cuts.values())
-                placed = with_bands(only_required=True) if required else None
+                placed = with_bands(cuts, only_required=True) if required else None
     if placed is None:
         planned, units, costs, exchanges = whole or solve(units_O, costs_O), units_O, costs_O, {}
     else:
