@@ -4,7 +4,8 @@ frame's ranks only, and autograd keeps a band rank's own rows, not the whole fra
 
 4 gloo ranks as 2 nodes of 2 (``ranks_per_node=2``) where the planner may span nodes; the
 reference tower in float64 on the eager, in-place, planned-ahead and replica-set paths, and
-the Hugging Face Qwen2-VL, Qwen2.5-VL, Qwen3-VL and GLM-4V towers in float32.
+the Hugging Face Qwen2-VL (every kind, under gradient checkpointing), Qwen2.5-VL, Qwen3-VL and
+GLM-4V towers in float32.
 """
 
 import copy
@@ -275,6 +276,8 @@ def _hf_towers(rank: int, world: int) -> dict:
             pixels = torch.randn(int(grid.prod(1).sum()), width, generator=gen)
             want = tower(pixels.clone().requires_grad_(True), grid_thw=grid).pooler_output
             config = dataclasses.replace(CONFIG, band_exchange=kind, ranks_per_node=2)
+            if family == "qwen2_vl":  # every kind under checkpointing (non-reentrant)
+                tower.gradient_checkpointing_enable({"use_reentrant": False})
             fx_vitbal.enable_vit_balance(tower, config=config)
             stats = []
             handle = fx_vitbal.add_stats_callback(stats.append)

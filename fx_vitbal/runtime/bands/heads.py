@@ -59,12 +59,13 @@ class Ulysses(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        frames = ctx.saved_tensors[5:]
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
+        frames = saved[5:]
         dq, dk, dv = (torch.zeros_like(dout) for _ in range(3))
         phase = Phase(ctx.group)
         dout_in = [_rows_of_frame(phase, band, dout[:, a:b]) for band, a, b in ctx.bands]
         phase.start()
-        _whole_backward(ctx.saved_tensors[:5], dout, ctx.whole, (dq, dk, dv))
+        _whole_backward(saved[:5], dout, ctx.whole, (dq, dk, dv))
         phase.wait()
         back, dqkv_in = Phase(ctx.group), []
         for n, (band, _, _) in enumerate(ctx.bands):
@@ -126,14 +127,15 @@ class Usp(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        qkv, out_r, lse_r = ctx.saved_tensors[5:]
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
+        qkv, out_r, lse_r = saved[5:]
         dq, dk, dv = (torch.zeros_like(dout) for _ in range(3))
         phase = Phase(ctx.group)
         dout_in = [
             _rows_of_frame(phase, _node_group(band), dout[:, a:b]) for band, a, b in ctx.bands
         ]
         phase.start()
-        _whole_backward(ctx.saved_tensors[:5], dout, ctx.whole, (dq, dk, dv))
+        _whole_backward(saved[:5], dout, ctx.whole, (dq, dk, dv))
         phase.wait()
         dout_r = torch.cat([torch.cat(pieces, 1) for pieces in dout_in], 1)
         rings = _rings(ctx.bands)
