@@ -326,7 +326,8 @@ COMPILED_STEPS = [GRIDS[2], [[[1, 8, 8]], [[1, 4, 4], [1, 8, 4]]]]
 def _compiled(rank: int, world: int) -> dict:
     """The reference VLM through ``backend="vitbal"`` with ``fullgraph=True``: steps with and
     without a split frame against the unsplit run, and the collectives of each step against the
-    same compiled model with ``split_images=False``."""
+    same compiled model with ``split_images=False``. ``ring`` forced: the tensor form gathers,
+    and the plan says so."""
 
     def model():
         torch.manual_seed(0)
@@ -338,7 +339,7 @@ def _compiled(rank: int, world: int) -> dict:
     options = {"inner": "aot_eager"}
     results = {}
     for name, config in (
-        ("split", CONFIG),
+        ("split", dataclasses.replace(CONFIG, band_exchange="ring")),
         ("whole", dataclasses.replace(CONFIG, split_images=False)),
     ):
         run = fx_vitbal.enable_vit_balance(model(), config=config)
@@ -348,7 +349,8 @@ def _compiled(rank: int, world: int) -> dict:
         for step in COMPILED_STEPS:
             with fullgraph_capture(), record_collectives() as issued:
                 got = train_step(run, step[rank], rank, unbacked=UNBACKED_BATCH_SIZES)
-            steps.append((got, stats[-1].split_units, [(p, n) for p, n, _, _ in issued]))
+            issued = [(p, n) for p, n, _, _ in issued]
+            steps.append((got, stats[-1].split_units, issued, stats[-1].band_exchanges))
         results[name] = (steps, torch._dynamo.utils.counters["stats"]["unique_graphs"])
     # A tower that runs bands only as Python: compiled, its plan keeps frames whole.
     torch.manual_seed(0)
@@ -387,13 +389,15 @@ def test_compiled_fullgraph_steps_split_exactly_and_a_step_without_a_split_keeps
     results = run_ranks(_compiled, 2)
     for rank, res in enumerate(results):
         steps, graphs = res["split"]
-        for (got, _, _), want in zip(steps, res["want"], strict=True):
+        for (got, *_), want in zip(steps, res["want"], strict=True):
             for g, w in zip(got, want, strict=True):
                 assert (g - w).abs().max() <= 1e-5 * w.abs().max(), rank
-        assert [split for _, split, _ in steps] == [2, 0]
+        assert [split for _, split, *_ in steps] == [2, 0]
+        # The tensor form gathers whatever is forced: the plan prices and records that.
+        assert [exchanges for *_, exchanges in steps] == [("gather",), ()]
         if UNBACKED_BATCH_SIZES:  # one graph serves the split step and the other
             assert graphs == 1, graphs
-        split_step, other_step = (issued for _, _, issued in steps)
+        split_step, other_step = (issued for _, _, issued, _ in steps)
         assert other_step == res["whole"][0][1][2]  # no split: the collectives of whole frames
         # Split: pixels out and outputs home, and the key/value exchange of each full-attention
         # layer among the frame's ranks (3, point to point); backward, the outputs' gradients
