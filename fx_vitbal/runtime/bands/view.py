@@ -131,7 +131,7 @@ class Bands:
         the frame's ranks only, and autograd keeps only this rank's own rows (memory falls as
         1/k). A rank with no band of a split frame sends nothing; every rank of the group still
         calls it in the same layers (its tower runs anyway). Eager only: a compiled tower
-        gathers (its tensor form has no units)."""
+        gathers (its tensor form has no units), and its plan says ``gather``."""
         if self.attending is not None:
             return band_attention(q, k, v, self.attending, resolve_group(self.group_name))
         # Two bands of one frame on this rank: gathered keys, each frame's attention apart.
