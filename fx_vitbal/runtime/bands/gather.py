@@ -30,8 +30,9 @@ class Gather(torch.autograd.Function):
 
     Forward: post the gather; while it flies, attend the whole units and each band's own block;
     then merge the arrived blocks. Backward: post the re-gather; while it flies, each band's own
-    block's gradients; then the arrived blocks', whose dK/dV go home in a second phase, during
-    which the whole units' gradients are computed. Saves q, k, v, out, lse (all local).
+    block's gradients; then the arrived blocks', each dropped once used, whose dK/dV go home in
+    a second phase, during which the whole units' gradients are computed. Saves q, k, v, out,
+    lse (all local).
     """
 
     @staticmethod
@@ -63,9 +64,11 @@ class Gather(torch.autograd.Function):
                 q[:, a:b], k[:, a:b], v[:, a:b], dout[:, a:b], out[:, a:b], lse[:, a:b]
             )
         phase.wait()
+        del phase  # its messages hold the arrived blocks: each is dropped once used
         home, returned = Phase(ctx.group), []
         for (band, a, b), buffers in zip(ctx.bands, arrived, strict=True):
-            for j, kv in buffers.items():
+            for j in list(buffers):
+                kv = buffers.pop(j)
                 dq_j, dk_j, dv_j = block_grads(
                     q[:, a:b], *kv.chunk(2, -1), dout[:, a:b], out[:, a:b], lse[:, a:b]
                 )
