@@ -3,18 +3,20 @@ ring, usp), forced, gives the unsplit run's outputs and gradients; its messages 
 frame's ranks only, and autograd keeps a band rank's own rows, not the whole frame's.
 
 4 gloo ranks as 2 nodes of 2 (``ranks_per_node=2``) where the planner may span nodes; the
-reference tower in float64 on the eager, in-place, planned-ahead and replica-set paths, and
+reference tower in float64 on the eager, in-place, planned-ahead, replica-set and compiled
+(tensor form, ``fullgraph=True``) paths, and
 the Hugging Face Qwen2-VL (every kind, under gradient checkpointing), Qwen2.5-VL, Qwen3-VL and
 GLM-4V towers in float32.
 """
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import record_collectives, run_ranks
+from dist_utils import fullgraph_capture, record_collectives, run_ranks
 
 import fx_vitbal
 from fx_vitbal.tools.models import QwenStyleViT, ViTConfig
@@ -65,15 +67,20 @@ def _reference(rank: int) -> tuple:
 def _balanced(vit, pixels, grid, config) -> tuple:
     """``_step`` through ``dp_balance_vit_encoder``: its results, the call's ``BalanceStats``
     and the collectives it issued."""
+    return _balanced_by(
+        vit,
+        pixels,
+        grid,
+        lambda p, g: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=config),
+    )
+
+
+def _balanced_by(vit, pixels, grid, call) -> tuple:
+    """``_step`` through ``call``, its ``BalanceStats`` and the collectives it issued."""
     stats = []
     handle = fx_vitbal.add_stats_callback(stats.append)
     with record_collectives() as issued:
-        got = _step(
-            vit,
-            pixels,
-            grid,
-            lambda p, g: fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=config),
-        )
+        got = _step(vit, pixels, grid, call)
     handle.remove()
     return got, stats[-1], issued
 
@@ -102,6 +109,53 @@ def test_each_exchange_kind_forced_across_nodes_gives_the_unsplit_outputs_and_gr
             assert res["split"] == (4, (kind,)), (kind, rank, res["split"])
             assert res["p2p"], (kind, rank)  # every rank holds a band: each exchanged
             assert {peer for _, peers in res["p2p"] for peer in peers} <= {0, 1, 2, 3} - {rank}
+
+
+def _compiled_kinds(rank: int, world: int) -> dict:
+    """Each kind forced through the tensor form: ``dp_balance_vit_encoder`` compiled with
+    ``fullgraph=True`` (the reference tower declares ``compiled=True``), whose whole-frame
+    attention runs inside ``vitbal::band_attention`` and its backward."""
+    vit, pixels, grid, want = _reference(rank)
+    results = {}
+    for kind in KINDS:
+        config = dataclasses.replace(CONFIG, band_exchange=kind, ranks_per_node=2)
+
+        def balanced(p, g, config=config):
+            return fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=config)
+
+        compiled = torch.compile(balanced, backend="aot_eager", fullgraph=True)
+        with fullgraph_capture():
+            got, stats, issued = _balanced_by(vit, pixels, grid, compiled)
+            # Two calls' forwards, then their backwards (micro-batches in a pipeline): each
+            # backward runs with the layout its graph saved, whatever the state kept.
+            twice = _step(vit, pixels, grid, functools.partial(_two_calls, compiled))
+        results[kind] = {
+            "difference": _close(got, want, 1e-9),
+            "twice": _close(
+                twice, _step(vit, pixels, grid, functools.partial(_two_calls, vit)), 1e-9
+            ),
+            "split": (stats.split_units, stats.band_exchanges),
+            "p2p peers": {peer for _, name, _, peers in issued if name == "p2p" for peer in peers},
+        }
+    return results
+
+
+def _two_calls(call, pixels, grid) -> tuple:
+    """``call`` on ``pixels`` and on them reversed, before any backward; the outputs summed."""
+    (embeds, window_index, deep), (again, _, deep_again) = (
+        call(pixels, grid),
+        call(pixels.flip(0), grid),
+    )
+    return embeds + again, window_index, [a + b for a, b in zip(deep, deep_again, strict=True)]
+
+
+def test_each_exchange_kind_runs_in_the_compiled_tensor_form_exactly():
+    for rank, by_kind in enumerate(run_ranks(_compiled_kinds, 4, timeout=600)):
+        for kind, res in by_kind.items():
+            assert res["difference"] <= 1e-9, (kind, rank, res["difference"])
+            assert res["twice"] <= 1e-9, (kind, rank, res["twice"])
+            assert res["split"] == (4, (kind,)), (kind, rank, res["split"])
+            assert res["p2p peers"] and res["p2p peers"] <= {0, 1, 2, 3} - {rank}, (kind, rank)
 
 
 # One frame of 32x32 patches split in two (bands of at least 512 patches): two ranks exchange,

@@ -40,25 +40,40 @@ class _NoEmptyBatches(QwenStyleViT):
         return super().forward(pixel_values, image_grid_thw)
 
 
-def _eval_on_rank_0_only(rank: int, world: int) -> int:
+def _compiled_with_bands(model, *inputs):
+    """The model balanced in place with bands, compiled whole (the ViT's tensor form: its
+    attention through ``vitbal::band_attention``, which finds no plan in eval mode)."""
+    config = fx_vitbal.BalanceConfig(split_images=True, min_band_patches=64)
+    balanced = fx_vitbal.enable_vit_balance(model, config=config)
+    with fullgraph_capture():
+        return torch.compile(balanced, backend="vitbal", fullgraph=True)(*inputs)
+
+
+def _eval_on_rank_0_only(rank: int, world: int) -> tuple[int, bool]:
     paths = {
         "eager": lambda m, *a: fx_vitbal.dp_balance_vit_encoder(m.visual, *a[1:])[0],
         "in_place": lambda m, *a: fx_vitbal.enable_vit_balance(m)(*a),
         "fx": lambda m, *a: apply_vit_balance_pass(symbolic_trace(m))(*a),
+        "compiled": _compiled_with_bands,
     }
-    ran = 0
+    ran, same = 0, True
     if rank == 0:  # validation on one rank: any collective would wait for rank 1 forever
-        for run in paths.values():
+        inputs = make_inputs(SKEWED[0], in_dim=24)
+        with torch.no_grad():
+            want = _model().eval()(*inputs)
+        for name, run in paths.items():
             model = _model().eval()
             with torch.no_grad():
-                run(model, *make_inputs(SKEWED[0], in_dim=24))
+                got = run(model, *inputs)
+            if name == "compiled":  # the ViT's every frame whole, read from the unit table
+                same = bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6))
             ran += 1
     dist.barrier()
-    return ran
+    return ran, same
 
 
 def test_eval_mode_issues_no_collective_in_any_path():
-    assert run_ranks(_eval_on_rank_0_only, 2) == [3, 0]
+    assert run_ranks(_eval_on_rank_0_only, 2) == [(4, True), (0, True)]
 
 
 def _frozen_vit_always(rank: int, world: int) -> dict:

@@ -8,6 +8,7 @@ from dist_utils import run_ranks
 
 import fx_vitbal
 from fx_vitbal.runtime.agree import planning
+from fx_vitbal.runtime.bands.blocks import AttentionLayout, AttentionUnit, FrameBand
 from fx_vitbal.runtime.bands.view import band_tables
 from fx_vitbal.runtime.transport import state
 from fx_vitbal.runtime.transport.routing import Routing
@@ -50,8 +51,11 @@ def test_a_route_that_split_a_frame_but_has_no_state_raises_instead_of_attending
     else:
         raise AssertionError("a split route without its state must raise")
     whole = _state(302)  # a plan that split nothing: whole units, read from the grid
-    table, _ = band_tables(whole.routing, grid)
+    table, _, attending = band_tables(whole.routing, grid)
     assert table.tolist() == [[1, 4, 0, 4, 4]]
+    assert AttentionLayout.from_tensor(attending) == AttentionLayout(
+        units=(AttentionUnit(rows=16),)
+    )
 
 
 def _one_split_call(rank: int, world: int) -> dict:
@@ -71,13 +75,14 @@ def _one_split_call(rank: int, world: int) -> dict:
     )
     balanced_grid, routing = planning.plan(pixels, grid, *call.op_args())
     kept = state.state_holding(routing)
-    table, layout = band_tables(routing.clone(), balanced_grid)  # a compiler's copy
+    table, layout, attending = band_tables(routing.clone(), balanced_grid)  # a compiler's copy
     return {
         "attributes": [name for name in vars(routing) if name.startswith("_vitbal")],
         "layout attributes": [name for name in vars(layout) if name.startswith("_vitbal")],
         "split": state.route_of(routing).split,
         "bands": kept.bands.split,
         "first rows": table[:, 2].tolist(),
+        "attending": AttentionLayout.from_tensor(attending) == kept.bands.attending,
     }
 
 
@@ -85,6 +90,24 @@ def test_a_split_call_keeps_its_bands_in_its_state_and_nothing_on_its_tensors():
     results = run_ranks(_one_split_call, 2)
     for res in results:
         assert res["attributes"] == [] and res["layout attributes"] == []
-        assert res["split"] and res["bands"]
+        assert res["split"] and res["bands"] and res["attending"]
     # The frame's two bands, each at its first row, found from a copy of the routing.
     assert sorted(results[0]["first rows"] + results[1]["first rows"])[-2:] == [0, 16]
+
+
+def test_an_attention_layout_packs_for_the_tensor_form_and_back_unchanged():
+    """What a compiled graph carries to ``vitbal::band_attention``: every field of every unit."""
+    band = FrameBand(
+        frame=3, kind="usp", ranks=(4, 0, 2, 6), index=2, band_rows=(64, 64, 48, 48), node_bands=2
+    )
+    ring = FrameBand(frame=0, kind="ring", ranks=(1, 2), index=1, band_rows=(32, 16))
+    layout = AttentionLayout(
+        units=(
+            AttentionUnit(rows=16),
+            AttentionUnit(rows=48, band=band),
+            AttentionUnit(rows=16, band=ring),
+        )
+    )
+    packed = layout.to_tensor()
+    assert packed.dtype == torch.int64 and packed.device.type == "cpu"
+    assert AttentionLayout.from_tensor(packed) == layout

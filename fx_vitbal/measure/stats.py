@@ -67,8 +67,8 @@ class BalanceStats:
     band_exchanges: tuple[str, ...] = ()
     """Per frame split into bands (in the plan's frame order), the exchange its ranks ran in
     each whole-frame attention layer (``BalanceConfig.band_exchange``: ``gather``, ``ulysses``,
-    ``ring`` or ``usp``). A compiled tower's tensor form gathers, and its plan says
-    ``gather``; a tower that calls only ``Bands.gather`` gathers whatever this says."""
+    ``ring`` or ``usp``; eagerly and compiled alike); a tower that calls only
+    ``Bands.gather`` gathers whatever this says."""
     deduplicated_rows: int = 0
     """Pixel rows that replica sets (``replica_group``) no longer compute twice: without
     balancing every rank of a set computes the set's whole batch, so this is the sum over sets

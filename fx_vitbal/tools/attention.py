@@ -30,23 +30,6 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
-def attend_bands(q: Tensor, k: Tensor, v: Tensor, bands, frames) -> Tensor:
-    """Attention of ``[heads, N, head_dim]`` tensors where a band's queries attend over its
-    whole frame: as Python, the library runs it (``Bands.attention``: the exchange each split
-    frame's plan chose, memory 1/k); in the tensor form of ``Bands`` (compiled; a compiled
-    call's tower may also run as Python after a graph break) over the keys and values
-    ``bands.gather`` brings, ``frames`` being ``(each query row's frame, key_frames)``, where
-    ``key_frames(rows)`` numbers the frames of the gathered rows alike."""
-    if not isinstance(frames, tuple):
-        return bands.attention(q, k, v)
-    # Keys and values side by side: one exchange per layer.
-    kv = bands.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
-    k_all, v_all = kv.chunk(2, -1)
-    query_frames, key_frames = frames  # one dense attention: a query sees its frame's keys
-    mask = query_frames[:, None] == key_frames(kv.shape[1])[None, :]
-    return masked_attention(q, k_all, v_all, mask)
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, segments: Segments) -> Tensor:
     """Attention of ``[heads, N, head_dim]`` tensors restricted to ``segments``."""
     if isinstance(segments, Tensor):

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from fx_vitbal.cost.static import ArchitectureCost
 from fx_vitbal.runtime.vit.registry import BandSupport, register_vision_encoder
-from fx_vitbal.tools.attention import Segments, attend, attend_bands, segments_of
+from fx_vitbal.tools.attention import Segments, attend, segments_of
 
 __all__ = ["QwenStyleViT", "ViTConfig"]
 
@@ -169,13 +169,13 @@ class _VisionBlock(PreNormBlock):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments, bands=None
     ) -> Tensor:
-        """``bands``: ``(Bands, per frame (query rows, key rows))`` in a layer attending over
-        whole frames on a step with bands (``fx_vitbal.runtime.bands.view``)."""
+        """``bands``: the step's ``Bands`` in a layer attending over whole frames on a step with
+        bands (``fx_vitbal.runtime.bands.view``): the library runs that attention."""
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1)).unbind(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        out = attend(q, k, v, segments) if bands is None else attend_bands(q, k, v, *bands)
+        out = attend(q, k, v, segments) if bands is None else bands.attention(q, k, v)
         x = x + self.proj(out.transpose(0, 1).flatten(1))
         return x + self.mlp(self.norm2(x))
 
@@ -269,17 +269,7 @@ class QwenStyleViT(nn.Module):
             frames, rows, first_rows, _, width = table.unbind(1)
             patches = frames * rows * width
             row = row + torch.repeat_interleave(first_rows, patches, output_size=num_patches)
-            if vitbal_bands.units is None:  # the tensor form (compiled)
-                # The rows gathered for a unit are laid out as a grid row of its own: its
-                # frames, each its frame's full rows.
-                key_grid = table[:, [0, 3, 4]]
-
-                def key_frames(keys: int) -> Tensor:
-                    return _patch_layout(key_grid, keys, m)[0]
-
-                full = (vitbal_bands, (frame_id, key_frames))
-            else:  # as Python: the library runs the whole-frame attention (Bands.attention)
-                full = (vitbal_bands, None)
+            full = vitbal_bands  # the library runs the whole-frame attention (Bands.attention)
         cos, sin = self._rotary(row, col, pixel_values.dtype)
         x = self.patch_embed(pixel_values)
 

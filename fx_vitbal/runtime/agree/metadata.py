@@ -21,7 +21,6 @@ from fx_vitbal.runtime.agree import replicas
 from fx_vitbal.runtime.agree.problems import SHAPE_DIMS, describe, shape_fields
 from fx_vitbal.runtime.transport import collectives, transfer
 from fx_vitbal.runtime.transport.rows import DTYPES, row_numel
-from fx_vitbal.runtime.vit.settings import NO_BANDS, TENSOR_BANDS
 
 # Grid rows that ride in the metadata header; ranks with more need a second gather.
 INLINE_GRID_ROWS = 32
@@ -69,9 +68,6 @@ class Gathered:
     when each rank is its own."""
     runs_bands: bool = False
     """Every rank's call runs bands (``settings.runs_bands``): the plan may split a frame."""
-    tensor_bands: bool = False
-    """Some rank's call runs them in their tensor form (``settings.TENSOR_BANDS``): its tower
-    gathers, so every split frame is planned as ``gather``."""
 
 
 def gather_grids(
@@ -87,7 +83,7 @@ def gather_grids(
     new_layout: bool = False,
     replica_ranks: Sequence[int] = (),
     check_pixels: bool = True,
-    runs_bands: int = NO_BANDS,
+    runs_bands: bool = False,
 ) -> Gathered:
     """Validate local input and settings and gather every rank's ``[t, h, w]`` rows.
 
@@ -99,9 +95,8 @@ def gather_grids(
     int64s, zero-padded) rides in the same header: this rank's measured times of an earlier call.
     ``problem``: a ``PROBLEMS`` code the caller found (it wins over the input's own status);
     ``grad_fixed``: this rank's pixels cannot be made to require gradients (a compiled call);
-    ``new_layout``: this rank has no output layouts agreed for the call; ``runs_bands``: how this
-    rank's call runs bands (``settings.runs_bands``; the plan splits only if every rank's call
-    runs them, and plans ``gather`` for all if one runs their tensor form); ``replica_ranks``: the
+    ``new_layout``: this rank has no output layouts agreed for the call; ``runs_bands``: this
+    rank's call runs bands (the plan splits only if every rank's does); ``replica_ranks``: the
     ranks of ``group`` that hold this rank's batch (``runtime.agree.replicas``: its declaration and
     pixel checksum ride in the header; sets that do not partition the group, or whose ranks
     hold different grids or pixels, make every rank raise; ``check_pixels=False`` leaves this
@@ -177,14 +172,13 @@ def gather_grids(
     reports_R = [h[_REPORT:] for h in headers]
     check = any(h[_NEW_LAYOUT] for h in headers)
     runs_bands = all(h[_RUNS_BANDS] for h in headers)
-    tensor_bands = runs_bands and any(h[_RUNS_BANDS] == TENSOR_BANDS for h in headers)
     max_rows = max(h[_NUM_ROWS] for h in headers)
     if max_rows <= INLINE_GRID_ROWS:  # the usual step: one collective, one host read
         grids_R = [
             [v[size + 3 * i : size + 3 * i + 3] for i in range(h[_NUM_ROWS])]
             for v, h in zip(values, headers, strict=True)
         ]
-        gathered = Gathered(grids_R, *agreed, reports_R, check, sets, runs_bands, tensor_bands)
+        gathered = Gathered(grids_R, *agreed, reports_R, check, sets, runs_bands)
         return _agreed_in_sets(gathered, headers)
     if on_device:
         padded = grid_thw.new_zeros(max_rows, 3, dtype=torch.int64)
@@ -196,7 +190,7 @@ def gather_grids(
     grids_R = _all_gather(padded.flatten(), group, world)
     grids = grids_R.view(world, max_rows, 3).tolist()
     grids_R = [grids[r][: headers[r][_NUM_ROWS]] for r in range(world)]
-    gathered = Gathered(grids_R, *agreed, reports_R, check, sets, runs_bands, tensor_bands)
+    gathered = Gathered(grids_R, *agreed, reports_R, check, sets, runs_bands)
     return _agreed_in_sets(gathered, headers)
 
 

@@ -53,7 +53,7 @@ def plan(
     problem: int = 0,
     grad_fixed: bool = False,
     replicas: list[int] | None = None,
-    runs_bands: int = 0,
+    runs_bands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather all ranks' grids, solve the plan, return ``(balanced grid, routing)``; the
     arguments after the grid are a ``settings.BalancedCall``'s, flat (``BalancedCall.op_args``).
@@ -152,9 +152,6 @@ def solve_for_rank(
         )
     if not gathered.runs_bands:  # some rank's call does not run them
         settings = dataclasses.replace(settings, band_rule=None)
-    elif gathered.tensor_bands:  # a compiled tower gathers: planned, priced, recorded so
-        config = dataclasses.replace(settings.config, band_exchange="gather")
-        settings = dataclasses.replace(settings, config=config)
     step = state.next_step()
     describe = step if rank == 0 and settings.config.verbose else None
     planned = plan_step(gathered.grids_R, settings, gathered.sets, describe)
@@ -246,7 +243,7 @@ def _(
     problem=0,
     grad_fixed=False,
     replicas=None,
-    runs_bands=0,
+    runs_bands=False,
 ):
     ctx = torch.library.get_ctx()
     grid = grid_thw.new_empty(ctx.new_dynamic_size(min=1), 3)  # >= 1: the dummy unit

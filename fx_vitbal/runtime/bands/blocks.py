@@ -15,6 +15,10 @@ import math
 
 import torch
 
+# The exchange kinds (``BalanceConfig.band_exchange`` but ``auto``), in the order a rank runs
+# them (``bands.kinds``); a packed layout numbers them so.
+KINDS = ("gather", "ring", "ulysses", "usp")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FrameBand:
@@ -103,6 +107,42 @@ class AttentionLayout:
     def spans(self) -> list[tuple[int, int]]:
         """Each unit's ``(first, end)`` rows in the local tensors."""
         return list(itertools.pairwise([0, *itertools.accumulate(u.rows for u in self.units)]))
+
+    def to_tensor(self) -> torch.Tensor:
+        """This layout as int64 numbers on the host, what a compiled graph carries to
+        ``vitbal::band_attention`` (``bands.compiled``): the units, then per unit its rows and
+        whether it is a band, and a band's frame, kind, group size, index, ranks and rows."""
+        values = [len(self.units)]
+        for unit in self.units:
+            band = unit.band
+            values += [unit.rows, int(band is not None)]
+            if band is not None:
+                values += [band.frame, KINDS.index(band.kind), band.node_bands, band.index]
+                values += [band.num_bands, *band.ranks, *band.band_rows]
+        return torch.tensor(values, dtype=torch.int64, device="cpu")
+
+    @classmethod
+    def from_tensor(cls, packed: torch.Tensor) -> "AttentionLayout":
+        """The layout ``to_tensor`` packed."""
+        values, at, units = packed.tolist(), 1, []
+        for _ in range(values[0]):
+            rows, is_band = values[at : at + 2]
+            at += 2
+            band = None
+            if is_band:
+                frame, kind, node_bands, index, k = values[at : at + 5]
+                ranks, band_rows = values[at + 5 : at + 5 + k], values[at + 5 + k : at + 5 + 2 * k]
+                at += 5 + 2 * k
+                band = FrameBand(
+                    frame=frame,
+                    kind=KINDS[kind],
+                    ranks=tuple(ranks),
+                    index=index,
+                    band_rows=tuple(band_rows),
+                    node_bands=node_bands,
+                )
+            units.append(AttentionUnit(rows=rows, band=band))
+        return cls(units=tuple(units))
 
     def split(self) -> tuple[list[tuple[int, int]], list[tuple[FrameBand, int, int]]]:
         """``(whole, bands)``: the spans attended locally (whole units, and bands of frames on

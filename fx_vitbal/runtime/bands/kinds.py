@@ -35,12 +35,10 @@ same of its group's rows (``N_g * H/u``, again one band's size).
 
 import torch
 
-from fx_vitbal.runtime.bands.blocks import AttentionLayout, FrameBand
+from fx_vitbal.runtime.bands.blocks import KINDS, AttentionLayout, FrameBand
 from fx_vitbal.runtime.bands.gather import Gather
 from fx_vitbal.runtime.bands.heads import Ulysses, Usp
 from fx_vitbal.runtime.bands.ring import Ring
-
-KINDS = ("gather", "ring", "ulysses", "usp")
 
 
 def band_attention(
@@ -57,17 +55,26 @@ def band_attention(
     Returns:
         ``[heads, layout.rows, head_dim]``, differentiable in ``q``, ``k``, ``v``.
     """
+    out = None
+    for _, function, whole, chosen in kind_calls(layout, q.shape[0]):
+        part = function.apply(q, k, v, whole, chosen, group)
+        out = part if out is None else out + part  # each fills its own rows, zeros elsewhere
+    return out
+
+
+def kind_calls(layout: AttentionLayout, heads: int) -> list[tuple[str, type, list, list]]:
+    """``(kind, its autograd Function, whole spans, bands)`` per kind that runs, in ``KINDS``
+    order (the first also computes the whole units; ``gather`` alone when no band exchanges)."""
     whole, bands = layout.split()
     by_kind = {kind: [] for kind in KINDS}
     for band, a, b in bands:
-        by_kind[runs(band, q.shape[0])].append((band, a, b))
+        by_kind[runs(band, heads)].append((band, a, b))
     calls = [(kind, chosen) for kind, chosen in by_kind.items() if chosen] or [("gather", [])]
-    out = None
-    for n, (kind, chosen) in enumerate(calls):
-        function = {"gather": Gather, "ring": Ring, "ulysses": Ulysses, "usp": Usp}[kind]
-        part = function.apply(q, k, v, whole if n == 0 else [], chosen, group)
-        out = part if out is None else out + part  # each fills its own rows, zeros elsewhere
-    return out
+    functions = {"gather": Gather, "ring": Ring, "ulysses": Ulysses, "usp": Usp}
+    return [
+        (kind, functions[kind], whole if n == 0 else [], chosen)
+        for n, (kind, chosen) in enumerate(calls)
+    ]
 
 
 def runs(band: FrameBand, heads: int) -> str:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.plan.step import StepPlan
 from fx_vitbal.runtime.bands.blocks import AttentionLayout, AttentionUnit, FrameBand
+from fx_vitbal.runtime.bands.compiled import band_attention as compiled_attention
 from fx_vitbal.runtime.bands.exchange import LOCAL, BandLayout
 from fx_vitbal.runtime.bands.kinds import band_attention
 from fx_vitbal.runtime.transport import transfer
@@ -67,8 +68,9 @@ class Bands:
 
     Under ``torch.compile`` (a tower declared ``BandSupport(compiled=True)``) the graph cannot
     branch on the plan, so the tower gets ``vitbal_bands`` on every step, in its tensor form:
-    ``units`` is None and ``unit_table`` holds the same numbers; on a step that splits nothing,
-    ``gather`` returns a copy of its input and no collective runs.
+    ``units`` is None and ``unit_table`` holds the same numbers; ``attention`` runs the plan's
+    exchange inside ``vitbal::band_attention`` (``bands.compiled``); on a step that splits
+    nothing, ``gather`` returns a copy of its input and no collective runs.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Bands:
         group_name: str,
         table: torch.Tensor | None = None,
         attending: AttentionLayout | None = None,
+        attending_packed: torch.Tensor | None = None,
     ) -> None:
         self.units = units
         self.layout = layout
@@ -86,6 +89,9 @@ class Bands:
         self.attending = attending
         """For ``attention``: each local frame's rows, a band's place among its frame's ranks
         and the frame's exchange kind; None where a rank computes two bands of one frame."""
+        self.attending_packed = attending_packed
+        """The tensor form's ``attending``, packed (``AttentionLayout.to_tensor``), for
+        ``vitbal::band_attention`` (``bands.compiled``)."""
 
     @property
     def split(self) -> bool:
@@ -130,26 +136,36 @@ class Bands:
         chose (``BalanceConfig.band_exchange``: gather, ulysses, ring, usp; ``bands.kinds``), among
         the frame's ranks only, and autograd keeps only this rank's own rows (memory falls as
         1/k). A rank with no band of a split frame sends nothing; every rank of the group still
-        calls it in the same layers (its tower runs anyway). Eager only: a compiled tower
-        gathers (its tensor form has no units), and its plan says ``gather``."""
+        calls it in the same layers (its tower runs anyway). In the tensor form (compiled) the
+        same, inside the custom ops of ``bands.compiled``."""
+        if self.units is None:
+            return compiled_attention(q, k, v, self.attending_packed, self.group_name)[0]
         if self.attending is not None:
             return band_attention(q, k, v, self.attending, resolve_group(self.group_name))
-        # Two bands of one frame on this rank: gathered keys, each frame's attention apart.
-        kv = self.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
-        keys, values = kv.chunk(2, -1)
-        queries = [u.rows * u.width for u in self.units for _ in range(u.frames)]
-        lengths = [u.full_rows * u.width for u in self.units for _ in range(u.frames)]
-        parts = zip(
-            q.split(queries, 1), keys.split(lengths, 1), values.split(lengths, 1), strict=True
-        )
-        return torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in parts], 1)
+        return _gathered_attention(self, q, k, v, self.units)
+
+
+def _gathered_attention(bands: Bands, q, k, v, units: Sequence[BandUnit]) -> torch.Tensor:
+    """Two bands of one frame on this rank: gathered keys, each frame's attention apart."""
+    kv = bands.gather(torch.cat([k, v], -1).transpose(0, 1)).transpose(0, 1)
+    keys, values = kv.chunk(2, -1)
+    queries = [u.rows * u.width for u in units for _ in range(u.frames)]
+    lengths = [u.full_rows * u.width for u in units for _ in range(u.frames)]
+    parts = zip(q.split(queries, 1), keys.split(lengths, 1), values.split(lengths, 1), strict=True)
+    return torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in parts], 1)
 
 
 class _OneProcess(Bands):
-    """``Bands`` whose every band is on this process: ``gather`` is local, no collective."""
+    """``Bands`` whose every band is on this process: ``gather`` is local, no collective;
+    ``attention`` over the gathered rows, in the tensor form too (its units read from the
+    table: ``check_vision_encoder`` runs eagerly)."""
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x[a:b] for _, a, b in BandLayout.from_tensor(self.layout).pieces])
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        units = self.units or [BandUnit(*row) for row in self.table.tolist()]
+        return _gathered_attention(self, q, k, v, units)
 
 
 def frame_in_bands(frame: tuple[int, int, int], parts: int) -> Bands:
@@ -172,28 +188,39 @@ def bands_for_vit(
     if not runs:
         return None
     if torch.compiler.is_compiling():
-        table, layout = torch.ops.vitbal.band_tables(routing, grid)
-        return Bands(None, layout, group_name, table)
+        table, layout, attending = torch.ops.vitbal.band_tables(routing, grid)
+        return Bands(None, layout, group_name, table, attending_packed=attending)
     kept = state_of_routing(routing)
     bands = kept.bands if kept is not None else None
     return bands if bands is not None and bands.split else None
 
 
 @torch.library.custom_op("vitbal::band_tables", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
-def band_tables(routing: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensor form of a step's ``Bands``: its ``unit_table`` on the grid's device and its
-    exchange's layout (``BandLayout``), from the call's state (``runtime.transport.state``). A plan
-    that splits nothing (or made none: balancing off) gives whole units, read from the grid on its
-    device, and a layout that exchanges nothing.
+def band_tables(
+    routing: torch.Tensor, grid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tensor form of a step's ``Bands``: its ``unit_table`` on the grid's device, its
+    exchange's layout (``BandLayout``) and its ``attending`` packed (``AttentionLayout``, on the
+    host), from the call's state (``runtime.transport.state``). A plan that splits nothing (or
+    made none: balancing off) gives whole units, read from the grid (the table on its device;
+    without a state, the attention layout from the grid read on the host), and a layout that
+    exchanges nothing.
 
     Raises:
         RuntimeError: the routing says the plan split a frame but its call's state is gone
-            (the bands' exchange cannot be made up: each band would attend only within itself).
+            (the bands' exchange cannot be made up: each band would attend only within
+            itself), or the plan put two bands of one frame on this rank (plans never do:
+            ``test_band_planning.py`` holds them to a band a rank).
     """
     kept = state_of_routing(routing)
     bands = kept.bands if kept is not None else None
     if bands is not None and bands.split:
-        return bands.unit_table(grid.device), bands.layout
+        if bands.attending is None:
+            raise RuntimeError(
+                "vit dp balance: this rank computes two bands of one frame, which the tensor "
+                "form's attention cannot run (plans put a band a rank)"
+            )
+        return bands.unit_table(grid.device), bands.layout, bands.attending.to_tensor()
     if route_of(routing).split:
         raise RuntimeError(
             "vit dp balance: the plan split a frame into bands but its call's state is gone "
@@ -201,13 +228,20 @@ def band_tables(routing: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor
         )
     t, h, w = grid.to(torch.int64).unbind(1)
     table = torch.stack([t, h, torch.zeros_like(h), h, w], 1)
-    return table, BandLayout([], [], [], [], exchange=False).to_tensor()
+    if bands is not None:
+        attending = bands.attending
+    else:  # no plan's state: the grid read on the host
+        attending = whole_attention(whole_units(grid.tolist()))
+    exchange = BandLayout([], [], [], [], exchange=False).to_tensor()
+    return table, exchange, attending.to_tensor()
 
 
 @band_tables.register_fake
 def _(routing, grid):
-    layout = routing.new_empty(torch.library.get_ctx().new_dynamic_size())
-    return grid.new_empty(grid.shape[0], 5, dtype=torch.int64), layout
+    ctx = torch.library.get_ctx()
+    layout = routing.new_empty(ctx.new_dynamic_size())
+    attending = routing.new_empty(ctx.new_dynamic_size())
+    return grid.new_empty(grid.shape[0], 5, dtype=torch.int64), layout, attending
 
 
 def whole_attention(units: Sequence[BandUnit]) -> AttentionLayout:

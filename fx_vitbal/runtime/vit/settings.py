@@ -91,24 +91,13 @@ def band_rule_of(spec: str) -> BandRule | None:
     return None if bands is None else BandRule(**bands)
 
 
-# How a call runs row bands (``runs_bands``): not at all, as Python (``Bands.attention`` runs
-# each split frame's planned exchange), or in their tensor form under ``torch.compile`` (the
-# tower gathers through ``vitbal::band_gather``: every split frame is planned as ``gather``).
-NO_BANDS, PYTHON_BANDS, TENSOR_BANDS = range(3)
-
-
-def runs_bands(planner: str) -> int:
-    """The one answer to whether and how a call planned by ``planner`` runs row bands (its plan
-    may split a frame, its ViT then gets ``Bands``): ``NO_BANDS`` unless the planner has a band
-    rule (the ViT runs bands and ``split_images`` is on: ``planner_spec_for``); under
-    ``torch.compile`` ``TENSOR_BANDS`` where the ViT runs their tensor form
-    (``BandRule.compiled``), else ``NO_BANDS``; eagerly ``PYTHON_BANDS``."""
+def runs_bands(planner: str) -> bool:
+    """The one answer to whether a call planned by ``planner`` runs row bands (its plan may
+    split a frame, its ViT then gets ``Bands``): the planner has a band rule (the ViT runs bands
+    and ``split_images`` is on: ``planner_spec_for``) and, under ``torch.compile``, the ViT runs
+    their tensor form (``BandRule.compiled``)."""
     support = _band_support(planner)
-    if support == _NONE:
-        return NO_BANDS
-    if torch.compiler.is_compiling():
-        return TENSOR_BANDS if support == _COMPILED_TOO else NO_BANDS
-    return PYTHON_BANDS
+    return support == _COMPILED_TOO or (support == _EAGER and not torch.compiler.is_compiling())
 
 
 _NONE, _EAGER, _COMPILED_TOO = range(3)
@@ -232,8 +221,8 @@ class BalancedCall(NamedTuple):
     """The call is compiled: its pixels' ``requires_grad`` cannot follow the other ranks'."""
     replicas: tuple[int, ...] = ()
     """The group ranks holding this rank's batch (``replica_ranks``; empty: its own set)."""
-    runs_bands: int = NO_BANDS
-    """Whether and how the call runs row bands (``runs_bands``)."""
+    runs_bands: bool = False
+    """The call runs row bands (``runs_bands``)."""
 
     def op_args(self) -> tuple:
         """The ``vitbal::plan`` op's arguments after the pixels and the grid, in its order."""
