@@ -123,6 +123,7 @@ def _compiled_kinds(rank: int, world: int) -> dict:
         def balanced(p, g, config=config):
             return fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=config)
 
+        balanced(pixels, grid)  # the settings made before the trace (dynamo before 2.13)
         compiled = torch.compile(balanced, backend="aot_eager", fullgraph=True)
         with fullgraph_capture():
             got, stats, issued = _balanced_by(vit, pixels, grid, compiled)
