@@ -5,13 +5,13 @@ an eager one.
 
 A graph cannot hold the plan's Python layout, so the ops take it packed
 (``AttentionLayout.to_tensor``, made by ``vitbal::band_tables`` from the call's host state): a
-backward runs whenever it runs, the state of its call kept or not (two micro-batches' forwards
-before their backwards). Each kind's ``torch.autograd.Function`` is run
-by hand with a plain context: the forward op returns its output and logsumexp, which the
-compiled graph saves beside q, k, v. The backward op hands ``gather`` and ``ring`` those (what
-their backwards read); ``ulysses`` and ``usp`` keep head-sliced rows that cannot ride in a
-graph, so for them it runs the forward again (its all-to-all and attention: one more forward
-of that layer's attention, as checkpointing it would) and then the backward.
+backward then runs whenever it runs, its call's state kept or not (two micro-batches' forwards
+before their backwards). Each kind's ``torch.autograd.Function`` is run by hand with a plain
+context: the forward op returns its output and logsumexp, which the compiled graph saves
+beside q, k, v. The backward op hands ``gather`` and ``ring`` those (what their backwards
+read); ``ulysses`` and ``usp`` keep head-sliced rows that cannot ride in a graph, so for them
+it runs the forward again (its all-to-all and attention: one more forward of that layer's
+attention, as checkpointing it would) and then the backward.
 """
 
 import torch
