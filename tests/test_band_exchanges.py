@@ -123,7 +123,9 @@ def _compiled_kinds(rank: int, world: int) -> dict:
         def balanced(p, g, config=config):
             return fx_vitbal.dp_balance_vit_encoder(vit, p, g, config=config)
 
-        balanced(pixels, grid)  # the settings made before the trace (dynamo before 2.13)
+        # Eagerly first: the messages the kind sends, and the settings made before the trace
+        # (dynamo before 2.13 needs them).
+        _, _, eager = _balanced(vit, pixels, grid, config)
         compiled = torch.compile(balanced, backend="aot_eager", fullgraph=True)
         with fullgraph_capture():
             got, stats, issued = _balanced_by(vit, pixels, grid, compiled)
@@ -137,8 +139,17 @@ def _compiled_kinds(rank: int, world: int) -> dict:
             ),
             "split": (stats.split_units, stats.band_exchanges),
             "p2p peers": {peer for _, name, _, peers in issued if name == "p2p" for peer in peers},
+            "messages": (_messages(issued), _messages(eager)),
         }
     return results
+
+
+def _messages(issued) -> dict[str, list]:
+    """Per phase, the peers of each point-to-point batch in order: each kind's own pattern."""
+    return {
+        phase: [peers for p, name, _, peers in issued if p == phase and name == "p2p"]
+        for phase in ("forward", "backward")
+    }
 
 
 def _two_calls(call, pixels, grid) -> tuple:
@@ -155,6 +166,14 @@ def test_each_exchange_kind_runs_in_the_compiled_tensor_form_exactly():
         for kind, res in by_kind.items():
             assert res["difference"] <= 1e-9, (kind, rank, res["difference"])
             assert res["twice"] <= 1e-9, (kind, rank, res["twice"])
+            # The kind forced ran: its forward messages are the eager call's, batch by batch;
+            # gather's and ring's backward too (ulysses and usp run their forward again there).
+            compiled, eager = res["messages"]
+            assert compiled["forward"] == eager["forward"], (kind, rank)
+            if kind in ("gather", "ring"):
+                assert compiled["backward"] == eager["backward"], (kind, rank)
+            else:
+                assert len(compiled["backward"]) > len(eager["backward"]), (kind, rank)
             assert res["split"] == (4, (kind,)), (kind, rank, res["split"])
             assert res["p2p peers"] and res["p2p peers"] <= {0, 1, 2, 3} - {rank}, (kind, rank)
 
