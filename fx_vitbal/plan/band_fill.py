@@ -19,7 +19,7 @@ Deterministic: ranks and units in order, ties to the lower index.
 import math
 
 from fx_vitbal.config import BalanceConfig
-from fx_vitbal.plan.band_plan import Cut, Placed
+from fx_vitbal.plan.band_plan import Placed
 from fx_vitbal.plan.bands import Band, BandRule
 from fx_vitbal.plan.solve import MAKESPAN_SLACK
 from fx_vitbal.plan.units import is_band, unit_rows
@@ -70,15 +70,16 @@ def held_by_ranks(first: Placed, ranks: range, members, cut_of) -> tuple[list, l
     return units, frames
 
 
-def fill_ranks(units, frames, first: Placed, rule: BandRule, band_price, most, bar=None):
+def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=None):
     """``(dests, placed, makespan, level, units, frames)`` of a node (``fill_node``; ``units``
     its whole units by local rank, ``frames`` those it cuts, both as filled: copies) at its
-    level, raised by what spills over it (``LEVEL_TRIES``). With ``bar``: the costliest whole
-    frame of each rank that ends above it is poured too."""
+    level, raised by what spills over it (``LEVEL_TRIES``). Each band poured pays the dearest
+    band's exchange of its frame's cut (priced inside the node). With ``bar``: the costliest
+    whole frame of each rank that ends above it is poured too, as cut by ``halve(frame)``."""
     units, frames = [list(unit) for unit in units], list(frames)
     for attempt in range(2):
         frames.sort(key=lambda f: (-f[4], f[:3]))
-        est = [band_price(f[3])(len(f[5].bands)) for f in frames]
+        est = [max(f[5].prices) for f in frames]
         work = sum(e[3] for unit in units for e in unit) + sum(f[4] for f in frames)
         work += sum(p * len(f[5].bands) for p, f in zip(est, frames, strict=True))
         level = start = work / len(units)
@@ -107,8 +108,7 @@ def fill_ranks(units, frames, first: Placed, rule: BandRule, band_price, most, b
         for _, k, n in sorted(costliest.values(), key=lambda c: (c[1], -c[2])):
             entry = units[k].pop(n)
             u = first.units_O[entry[0]][first.first_O[entry[0]][entry[1]]]
-            cut = Cut(rule.bands(u, 2), "gather", [0.0, 0.0], None)
-            frames.append((k, entry[0], entry[1], u, entry[3], cut))
+            frames.append((k, entry[0], entry[1], u, entry[3], halve(u)))
     return dests, placed, max(loads, default=0.0), start, units, frames
 
 

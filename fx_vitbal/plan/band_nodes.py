@@ -26,7 +26,6 @@ bands sit (its kind chosen there), and bands the budget needs that share a rank 
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan.band_fill import fill_ranks, held_by_ranks, most_blocks
@@ -36,6 +35,7 @@ from fx_vitbal.plan.band_plan import (
     bands_needed,
     cut_frame,
     expand,
+    price_cut,
     rebuild,
     settle,
     spread_bands,
@@ -113,18 +113,10 @@ def solve_by_nodes(
             memo[key] = cut_frame(u, cost, mean, need, len(nodes[0]), rule, inside, config)
         return memo[key]
 
-    @functools.cache
-    def band_price(u) -> "Callable[[int], float]":
-        """The dearest band's exchange of ``u`` cut evenly in ``n`` bands inside a node."""
-
-        @functools.cache
-        def of(n: int) -> float:
-            if inside is None:
-                return 0.0
-            sizes = [b.h * b.w for b in rule.bands(u, n)]
-            return max(inside.cheapest(sizes, None)[1]) if len(sizes) > 1 else 0.0
-
-        return of
+    def halve(u) -> Cut:
+        """``u`` in two bands inside a node (``fill_ranks``' ``bar``)."""
+        bands = rule.bands(u, 2)
+        return Cut(bands, *price_cut(bands, rule, inside, None, config), None)
 
     if len(nodes) > 1:  # a frame a node cuts costs it its bands' exchange too
         items = [_node_items(ref, first, cross, rule, rpn) for ref in refs]
@@ -167,7 +159,7 @@ def solve_by_nodes(
         )
         filled = [([sub.destinations(k) for k in range(len(units))], [], 0.0, 0.0, units, [])]
     else:  # by node: whole units first, then frames poured up to each node's level
-        filled = [fill_ranks(*state, first, rule, band_price, most) for state in held]
+        filled = [fill_ranks(*state, first, rule, halve, most) for state in held]
         # No plan ends below the fullest node's level: a node's rank above it by the minimum
         # gain has its costliest frame poured too (nine frames of nearly the mean on eight
         # ranks), where an exchange model prices the bands that costs (else nothing says it
@@ -175,7 +167,7 @@ def solve_by_nodes(
         bar = max(floor, *(f[3] for f in filled)) * (1.0 + MAKESPAN_SLACK)
         for n, state in enumerate(held):
             if prices is not None and filled[n][2] > bar * (1.0 + config.min_gain):
-                filled[n] = fill_ranks(*state, first, rule, band_price, most, bar)
+                filled[n] = fill_ranks(*state, first, rule, halve, most, bar)
     for ranks, (dests, placed, _, _, units, frames) in zip(nodes, filled, strict=True):
         for (_, r, i, u, _, cut), (bands, on) in zip(frames, placed, strict=True):
             if cut.required and max(b.h for b in bands) > most(u) * rule.align:
