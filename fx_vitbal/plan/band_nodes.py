@@ -119,7 +119,8 @@ def solve_by_nodes(
         return Cut(bands, *price_cut(bands, rule, inside, None, config), None)
 
     if len(nodes) > 1:  # a frame a node cuts costs it its bands' exchange too
-        items = [_node_items(ref, first, cross, rule, rpn) for ref in refs]
+        group_of = _usp_groups(first, cross, rule, rpn)
+        items = [_node_items(ref, group_of) for ref in refs]
         node_costs = [
             [
                 sum(first.costs_O[r][j] + sum(getattr(cut_of(r, j), "prices", ())) for r, j in item)
@@ -200,17 +201,22 @@ def solve_by_nodes(
     return plan, final, cuts, rows_O
 
 
-def _node_items(ref: list, first: Placed, cross: dict, rule: BandRule, rpn: int) -> list[tuple]:
-    """A node's units for the node level, as tuples of ``first``'s ``(owner, index)``: one
-    unit each, but a ``usp`` frame's bands in their Ulysses groups (``usp_degree``
-    consecutive bands), which cross nodes whole so that each group's all-to-all stays on one
-    node's links."""
-    group_of = {}  # (owner, index in first) -> (its frame's first band, its group)
+def _usp_groups(first: Placed, cross: dict, rule: BandRule, rpn: int) -> dict:
+    """Each band of a ``usp`` frame cut across nodes, by its ``(owner, index)`` in ``first``:
+    ``(its frame's first band, its Ulysses group)`` (``usp_degree`` consecutive bands)."""
+    group_of = {}
     for (o, i), cut in cross.items():
         if cut.kind == "usp":
             u = usp_degree(rule.heads, len(cut.bands), rpn)
             start = first.names[(o, i)][1]
             group_of.update({(o, start + b): ((o, start), b // u) for b in range(len(cut.bands))})
+    return group_of
+
+
+def _node_items(ref: list, group_of: dict) -> list[tuple]:
+    """A node's units for the node level, as tuples of ``first``'s ``(owner, index)``: one
+    unit each, but a ``usp`` frame's bands in their Ulysses groups (``_usp_groups``), which
+    cross nodes whole so that each group's all-to-all stays on one node's links."""
     items, groups = [], {}
     for key in ref:
         if key not in group_of:

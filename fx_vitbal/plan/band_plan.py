@@ -82,16 +82,24 @@ class Placed(NamedTuple):
     units_O: list[list[tuple]]
     costs_O: list[list[float]]
     names: dict[tuple[int, int], tuple[int, int]]
-    first_O: list[list[int]]
+    first_O: list[Sequence[int]]
     """``first_O[o][i]``: where whole unit ``i`` of owner ``o`` (its first band) now is."""
-    origin_O: list[list[int]]
+    origin_O: list[Sequence[int]]
     """``origin_O[o][j]``: the whole unit unit ``j`` of owner ``o`` is (a band: its frame)."""
 
 
 def expand(units_O, costs_O, cuts: dict[tuple[int, int], Cut]) -> Placed:
-    """``units_O`` (costs ``costs_O``) with each frame of ``cuts`` as its bands."""
+    """``units_O`` (costs ``costs_O``) with each frame of ``cuts`` as its bands. An owner
+    without a cut keeps its own lists (most owners, at scale: read, never written)."""
     placed = Placed([], [], {}, [], [])
+    cut_owners = {o for o, _ in cuts}
     for o, (units, costs) in enumerate(zip(units_O, costs_O, strict=True)):
+        if o not in cut_owners:
+            placed.units_O.append(units)
+            placed.costs_O.append(costs)
+            placed.first_O.append(range(len(units)))
+            placed.origin_O.append(range(len(units)))
+            continue
         split, split_costs, first, origin = [], [], [], []
         for i, (u, cost) in enumerate(zip(units, costs, strict=True)):
             cut = cuts.get((o, i))
