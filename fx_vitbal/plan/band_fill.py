@@ -16,6 +16,7 @@ Plain Python over a few ranks and units: a ``solve_plan`` a node would cost ~0.5
 Deterministic: ranks and units in order, ties to the lower index.
 """
 
+import heapq
 import math
 
 from fx_vitbal.config import BalanceConfig
@@ -93,7 +94,7 @@ def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=No
             if not tried[3] or max(tried[0]) <= start * (1.0 + MAKESPAN_SLACK):
                 break  # nothing spilled, or not enough to matter
             level += tried[3] / len(units)
-        loads, dests, placed, _ = best
+        loads, dests, given, _ = best
         if attempt or bar is None or max(loads) <= bar:
             break
         costliest: dict[int, tuple[float, int, int]] = {}  # rank over -> (cost, rank, index)
@@ -109,22 +110,23 @@ def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=No
             entry = units[k].pop(n)
             u = first.units_O[entry[0]][first.first_O[entry[0]][entry[1]]]
             frames.append((k, entry[0], entry[1], u, entry[3], halve(u)))
+    placed = [_as_bands(give, f[3], rule) for give, f in zip(given, frames, strict=True)]
     return dests, placed, max(loads, default=0.0), start, units, frames
 
 
 def fill_node(whole_R, frames, est, most, rule: BandRule, level: float):
-    """``(loads, dests, placed, spilled)``: a node's whole units placed
+    """``(loads, dests, given, spilled)``: a node's whole units placed
     (``place_in_node``), then its frames poured in, costliest first, by McNaughton's
-    wrap-around rule (``wrap``) at ``level``; ``placed`` each frame's ``(bands, ranks)``,
+    wrap-around rule (``wrap``) at ``level``; ``given`` each frame's blocks by local rank,
     ``spilled`` the work that went above the level."""
     dests, loads = place_in_node(whole_R, level)
     order = sorted(range(len(loads)), key=lambda k: (loads[k], k))
-    at, placed, spilled = 0, [], 0.0
+    at, given, spilled = 0, [], 0.0
     for (k, _, _, u, cost, _), price, top in zip(frames, est, most, strict=True):
-        bands, on, at, over = wrap(loads, order, at, k, u, cost, rule, top, price, level)
-        placed.append((bands, on))
+        give, at, over = wrap(loads, order, at, k, u, cost, rule, top, price, level)
+        given.append(give)
         spilled += over
-    return loads, dests, placed, spilled
+    return loads, dests, given, spilled
 
 
 def wrap(
@@ -138,8 +140,8 @@ def wrap(
     most: int,
     price: float,
     level: float,
-) -> tuple[list[Band], list[int], int, float]:
-    """``(bands, ranks, at, spilled)``: frame ``unit`` (cost ``cost``) poured into a node's
+) -> tuple[dict[int, int], int, float]:
+    """``(give, at, spilled)``: frame ``unit`` (cost ``cost``) poured into a node's
     ranks in ``order`` from ``order[at]`` on, each filled up to ``level`` before the next
     (McNaughton's wrap-around rule for divisible work: a frame spans a few consecutive ranks,
     most ranks get at most two pieces), ``loads`` updated, ``at`` where the next frame starts.
@@ -147,8 +149,8 @@ def wrap(
     ``min_patches`` and at most ``most`` blocks (a budget; ``_spill`` may go over it, and
     ``band_nodes`` then spreads the frame's even bands); a rank whose room is smaller than a
     band is passed over, and what the ranks cannot take at the level (``spilled``) goes where
-    it ends lowest (``_spill``). The first band goes to ``home`` when it takes part; a frame
-    that fits one rank stays whole."""
+    it ends lowest (``_spill``). ``give``: its ``align`` blocks by rank, in band order (the
+    first band to ``home`` when it takes part; a frame that fits one rank stays whole)."""
     _, h, w = unit
     blocks = h // rule.align
     least = max(1, -(-rule.min_patches // (rule.align * w)))
@@ -174,11 +176,17 @@ def wrap(
         give = _spill(loads, order, give, left, per, least, price)
     if home in give:
         give = {home: give.pop(home), **give}
+    return give, at, over
+
+
+def _as_bands(give: dict[int, int], unit, rule: BandRule) -> tuple[list[Band], list[int]]:
+    """``(bands, ranks)``: a frame's ``align`` blocks by rank (``wrap``) as its bands, in order."""
+    _, h, w = unit
     bands, first = [], 0
     for g in give.values():
         bands.append(Band(1, g * rule.align, w, h, first))
         first += g * rule.align
-    return bands, list(give), at, over
+    return bands, list(give)
 
 
 def _spill(loads, order, give: dict, left: int, per: float, least: int, price: float) -> dict:
@@ -197,10 +205,13 @@ def _spill(loads, order, give: dict, left: int, per: float, least: int, price: f
         if spent > left or not trial:
             continue
         ends = {r: loads[r] + room[r] for r in trial}
+        lowest = [(end + per, r) for r, end in ends.items()]  # where a block ends lowest
+        heapq.heapify(lowest)
         for _ in range(left - spent):
-            r = min(ends, key=lambda r: (ends[r] + per, r))
+            r = lowest[0][1]
             ends[r] += per
             trial[r] += 1
+            heapq.heapreplace(lowest, (ends[r] + per, r))
         top = max(ends.values())
         if best is None or top < best[0]:
             best = (top, trial, ends)
