@@ -48,10 +48,11 @@ def place_in_node(costs_R: list[list[float]], level: float) -> tuple[list[list[i
     return dests, loads
 
 
-def held_by_ranks(first: Placed, ranks: range, members, cut_of) -> tuple[list, list]:
+def held_by_ranks(first: Placed, ranks: range, members, cut_at: dict) -> tuple[list, list]:
     """``(units, frames)`` of a node: by local rank, its whole units ``(owner, whole index,
     band, cost, rows)`` and the frames it cuts ``(local rank, owner, whole index, frame, cost,
-    cut)``; its own on their rank, what it receives on its least loaded, costliest first."""
+    cut)``, as ``cut_at`` cuts them (by ``(owner, index)``); its own on their rank, what it
+    receives on its least loaded, costliest first."""
     units: list[list[tuple]] = [[] for _ in ranks]
     frames: list[tuple] = []
     loads = [0.0] * len(ranks)
@@ -62,7 +63,7 @@ def held_by_ranks(first: Placed, ranks: range, members, cut_of) -> tuple[list, l
         if k is None:
             k = min(range(len(ranks)), key=loads.__getitem__)
         u, cost, i = first.units_O[r][j], first.costs_O[r][j], first.origin_O[r][j]
-        cut = cut_of(r, j)
+        cut = cut_at.get((r, j))
         if cut is not None:
             frames.append((k, r, i, u, cost, cut))
         else:
@@ -100,9 +101,10 @@ def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=No
         costliest: dict[int, tuple[float, int, int]] = {}  # rank over -> (cost, rank, index)
         for k, unit in enumerate(units):
             for n, (entry, d) in enumerate(zip(unit, dests[k], strict=True)):
+                if loads[d] <= bar or entry[3] <= costliest.get(d, (0.0,))[0]:
+                    continue
                 u = first.units_O[entry[0]][first.first_O[entry[0]][entry[1]] + entry[2]]
-                splits = not is_band(u) and u[0] == 1 and len(rule.bands(u, 2)) == 2
-                if splits and loads[d] > bar and entry[3] > costliest.get(d, (0.0,))[0]:
+                if not is_band(u) and u[0] == 1 and len(rule.bands(u, 2)) == 2:  # it splits
                     costliest[d] = (entry[3], k, n)
         if not costliest:
             break

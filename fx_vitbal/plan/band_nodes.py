@@ -37,6 +37,7 @@ from fx_vitbal.plan.band_plan import (
     expand,
     price_cut,
     rebuild,
+    reprice,
     settle,
     spread_bands,
 )
@@ -86,32 +87,13 @@ def solve_by_nodes(
     first = expand(units_O, costs_O, cross)
     # A frame binds above the mean, or above the dearest band cut across nodes (no plan ends
     # below that: cutting what costs less buys nothing).
-    floor = max(
-        (
-            c
-            for costs, units in zip(first.costs_O, first.units_O, strict=True)
-            for c, u in zip(costs, units, strict=True)
-            if is_band(u)
-        ),
-        default=0.0,
-    )
+    floor = max((c for (o, i), cut in cross.items() for c in cut.costs(costs_O[o][i])), default=0.0)
     binds = max(mean, floor)
     nodes = [range(n, min(n + rpn, num_ranks)) for n in range(0, num_ranks, rpn)]
     refs = [[(r, j) for r in ranks for j in range(len(first.units_O[r]))] for ranks in nodes]
-    memo: dict[tuple, Cut | None] = {}
-
-    def cut_of(r: int, j: int) -> Cut | None:
-        """How unit ``j`` of ``first``'s owner ``r`` is cut inside a node, if it is."""
-        u, cost = first.units_O[r][j], first.costs_O[r][j]
-        if is_band(u) or u[0] != 1:
-            return None
-        need = bands_needed(u, held_per_patch, config, rule.align)
-        if need < 2 and (cost <= binds or only_required):
-            return None
-        key = (u, cost, need)
-        if key not in memo:
-            memo[key] = cut_frame(u, cost, mean, need, len(nodes[0]), rule, inside, config)
-        return memo[key]
+    cut_at = _cuts_inside(first, binds, mean, len(nodes[0]), rule, inside, config, held_per_patch)
+    if only_required:
+        cut_at = {key: cut for key, cut in cut_at.items() if cut.required}
 
     def halve(u) -> Cut:
         """``u`` in two bands inside a node (``fill_ranks``' ``bar``)."""
@@ -121,9 +103,10 @@ def solve_by_nodes(
     if len(nodes) > 1:  # a frame a node cuts costs it its bands' exchange too
         group_of = _usp_groups(first, cross, rule, rpn)
         items = [_node_items(ref, group_of) for ref in refs]
+        price = {key: sum(cut.prices) for key, cut in cut_at.items()}
         node_costs = [
             [
-                sum(first.costs_O[r][j] + sum(getattr(cut_of(r, j), "prices", ())) for r, j in item)
+                sum(first.costs_O[r][j] + price.get((r, j), 0.0) for r, j in item)
                 for item in node_items
             ]
             for node_items in items
@@ -142,7 +125,7 @@ def solve_by_nodes(
     pieces: dict[tuple[int, int], Cut] = {}  # in-node cuts
     where: dict[tuple[int, int, int], int] = {}  # (owner, whole index, band or piece) -> rank
     held = [
-        held_by_ranks(first, ranks, members, cut_of)
+        held_by_ranks(first, ranks, members, cut_at)
         for ranks, members in zip(nodes, assigned, strict=True)
     ]
     most = functools.partial(most_blocks, rule=rule, held=held_per_patch, config=config)
@@ -189,16 +172,37 @@ def solve_by_nodes(
     for (o, i, band), r in where.items():
         dest_O[o][final.first_O[o][i] + band] = r
     cuts = settle(cuts, final, lambda o, i: dest_O[o][i], rule, prices, config)
-    final = expand(units_O, costs_O, cuts)
+    reprice(final, costs_O, cuts)
     loads = [0.0] * num_ranks
     for costs, dests in zip(final.costs_O, dest_O, strict=True):
         for cost, d in zip(costs, dests, strict=True):
             loads[d] += cost
     if spread_bands(dest_O, loads, final, cuts):  # bands the budget needs, two on a rank
         cuts = settle(cuts, final, lambda o, i: dest_O[o][i], rule, prices, config)
-        final = expand(units_O, costs_O, cuts)
+        reprice(final, costs_O, cuts)
     plan, rows_O = rebuild(final.units_O, final.costs_O, dest_O, config)
     return plan, final, cuts, rows_O
+
+
+def _cuts_inside(first: Placed, binds, mean, ranks, rule, inside, config, held_per_patch) -> dict:
+    """Each frame of ``first`` a node cuts, by ``(owner, index)``: those costing more than
+    ``binds`` or holding more than the memory budget, each cut for a node's ``ranks``
+    (``cut_frame``, priced inside a node: ``inside``), once a shape."""
+    memo: dict[tuple, Cut | None] = {}
+    cut_at = {}
+    for r, (units, costs) in enumerate(zip(first.units_O, first.costs_O, strict=True)):
+        for j, (u, cost) in enumerate(zip(units, costs, strict=True)):
+            if cost <= binds and config.memory_budget is None or is_band(u) or u[0] != 1:
+                continue
+            need = bands_needed(u, held_per_patch, config, rule.align)
+            if need < 2 and cost <= binds:
+                continue
+            key = (u, cost, need)
+            if key not in memo:
+                memo[key] = cut_frame(u, cost, mean, need, ranks, rule, inside, config)
+            if memo[key] is not None:
+                cut_at[(r, j)] = memo[key]
+    return cut_at
 
 
 def _usp_groups(first: Placed, cross: dict, rule: BandRule, rpn: int) -> dict:

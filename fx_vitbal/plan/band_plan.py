@@ -120,6 +120,14 @@ def expand(units_O, costs_O, cuts: dict[tuple[int, int], Cut]) -> Placed:
     return placed
 
 
+def reprice(placed: Placed, costs_O, cuts: dict[tuple[int, int], Cut]) -> None:
+    """``placed`` (``expand`` of ``costs_O`` by cuts of the same bands) with each band's cost
+    as ``cuts`` price it now (``settle``): only prices changed, so no expand again."""
+    for (o, i), cut in cuts.items():
+        first = placed.names[(o, i)][1]
+        placed.costs_O[o][first : first + len(cut.bands)] = cut.costs(costs_O[o][i])
+
+
 def bands_needed(
     unit: Sequence[int], held_per_patch: int, config: BalanceConfig, align: int
 ) -> int:
