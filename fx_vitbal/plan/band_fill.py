@@ -5,10 +5,14 @@ while that keeps the rank within the node's level (its mean load, the exchange o
 will cut counted), else on the least loaded rank (``place_in_node``: LPT that keeps what it can
 home). Its frames to cut are then poured over its ranks in order of load, costliest first, by
 McNaughton's wrap-around rule for divisible work (``wrap``): each rank filled up to the level
-before the next, so a frame spans a few consecutive ranks and a rank gets at most a couple of
-bands, each whole ``align`` rows of at least ``min_patches`` (a rank with less room is passed
-over) and paying its exchange; what no rank takes at the level is spread where it ends lowest
-(``_spill``), and the node is filled again at a level raised by it (``LEVEL_TRIES``). Where
+before the next (to the nearest whole ``align`` rows: rounding down would leave every rank a
+sliver short, and the node's tail spills), so a frame spans a few consecutive ranks and a rank
+gets at most a couple of bands, each whole ``align`` rows of at least ``min_patches`` (a rank
+with less room is passed over) and paying its exchange; what no rank takes at the level is
+spread where it ends lowest (``_spill``). The level is then searched (``LEVEL_TRIES`` fills):
+raised by what spilled until a fill spills nothing, then halved between the highest level that
+spilled and the lowest that did not; the fill whose fullest rank ends lowest is kept (a level
+too high leaves the last ranks empty, one too low spills its tail onto a few). Where
 whole frames leave a rank above the step's floor (the fullest node's level), the costliest
 frame of that rank is poured too (``fill_ranks``' ``bar``).
 
@@ -17,7 +21,6 @@ Deterministic: ranks and units in order, ties to the lower index.
 """
 
 import heapq
-import math
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan.band_plan import Placed
@@ -25,8 +28,9 @@ from fx_vitbal.plan.bands import Band, BandRule
 from fx_vitbal.plan.solve import MAKESPAN_SLACK
 from fx_vitbal.plan.units import is_band, unit_rows
 
-# Levels a node's fill tries, each raised by what spilled over the last (``fill_ranks``).
-LEVEL_TRIES = 4
+# Levels a node's fill tries (``fill_ranks``), and the gap between a level that spilled and one
+# that did not, over the node's mean load, below which it stops searching.
+LEVEL_TRIES, LEVEL_GAP = 4, 0.01
 
 
 def place_in_node(costs_R: list[list[float]], level: float) -> tuple[list[list[int]], list]:
@@ -74,8 +78,8 @@ def held_by_ranks(first: Placed, ranks: range, members, cut_at: dict) -> tuple[l
 
 def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=None):
     """``(dests, placed, makespan, level, units, frames)`` of a node (``fill_node``; ``units``
-    its whole units by local rank, ``frames`` those it cuts, both as filled: copies) at its
-    level, raised by what spills over it (``LEVEL_TRIES``). Each band poured pays the dearest
+    its whole units by local rank, ``frames`` those it cuts, both as filled: copies) at the
+    level searched as [Note: pouring frames] says. Each band poured pays the dearest
     band's exchange of its frame's cut (priced inside the node). With ``bar``: the costliest
     whole frame of each rank that ends above it is poured too, as cut by ``halve(frame)``."""
     units, frames = [list(unit) for unit in units], list(frames)
@@ -87,14 +91,20 @@ def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=No
         level = start = work / len(units)
         whole = [[entry[3] for entry in unit] for unit in units]
         tops = [most(f[3]) for f in frames]
-        best = None
-        for _ in range(LEVEL_TRIES):  # the level again, raised by what spilled over it
+        best, low, high = None, start, None
+        for _ in range(LEVEL_TRIES):
             tried = fill_node(whole, frames, est, tops, rule, level)
             if best is None or max(tried[0]) < max(best[0]):
                 best = tried
-            if not tried[3] or max(tried[0]) <= start * (1.0 + MAKESPAN_SLACK):
-                break  # nothing spilled, or not enough to matter
-            level += tried[3] / len(units)
+            if max(tried[0]) <= start * (1.0 + MAKESPAN_SLACK):
+                break
+            if tried[3]:
+                low = level
+            else:
+                high = level
+            if high is not None and high - low <= start * LEVEL_GAP:
+                break
+            level = (low + high) / 2 if high is not None else level + tried[3] / len(units)
         loads, dests, given, _ = best
         if attempt or bar is None or max(loads) <= bar:
             break
@@ -146,13 +156,14 @@ def wrap(
     """``(give, at, spilled)``: frame ``unit`` (cost ``cost``) poured into a node's
     ranks in ``order`` from ``order[at]`` on, each filled up to ``level`` before the next
     (McNaughton's wrap-around rule for divisible work: a frame spans a few consecutive ranks,
-    most ranks get at most two pieces), ``loads`` updated, ``at`` where the next frame starts.
-    Each band pays ``price`` (its exchange) and is whole ``align`` rows of at least
-    ``min_patches`` and at most ``most`` blocks (a budget; ``_spill`` may go over it, and
-    ``band_nodes`` then spreads the frame's even bands); a rank whose room is smaller than a
-    band is passed over, and what the ranks cannot take at the level (``spilled``) goes where
-    it ends lowest (``_spill``). ``give``: its ``align`` blocks by rank, in band order (the
-    first band to ``home`` when it takes part; a frame that fits one rank stays whole)."""
+    most ranks get at most two pieces), to the nearest ``align`` block, ``loads`` updated,
+    ``at`` where the next frame starts. Each band pays ``price`` (its exchange) and is whole
+    ``align`` rows of at least ``min_patches`` and at most ``most`` blocks (a budget;
+    ``_spill`` may go over it, and ``band_nodes`` then spreads the frame's even bands); a rank
+    whose room is smaller than a band is passed over, and what the ranks cannot take at the
+    level (``spilled``) goes where it ends lowest (``_spill``). ``give``: its ``align`` blocks
+    by rank, in band order (the first band to ``home`` when it takes part; a frame that fits
+    one rank stays whole)."""
     _, h, w = unit
     blocks = h // rule.align
     least = max(1, -(-rule.min_patches // (rule.align * w)))
@@ -162,7 +173,7 @@ def wrap(
     while left and at < len(order):
         r = order[at]
         extra = 0.0 if left == blocks and per * blocks + loads[r] <= level else price
-        g = min(math.floor((level - loads[r] - extra) / per), left, most)
+        g = min(round((level - loads[r] - extra) / per), left, most)
         if 0 < left - g < least:  # leave the next rank a band worth cutting
             g = left - least
         if g < least and g < left:
