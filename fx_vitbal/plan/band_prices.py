@@ -199,8 +199,15 @@ class ExchangePrices:
     def frame_prices(
         self, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
     ) -> list[float]:
-        """``band_price`` of every band of the frame."""
-        return [self.band_price(sizes, i, kind, nodes) for i in range(len(sizes))]
+        """``band_price`` of every band of the frame, once a size where only its size tells
+        bands apart (every kind but ``usp``, the bands on one node or each on its own)."""
+        if kind == "usp" or not (nodes is None or len(set(nodes)) == len(nodes)):
+            return [self.band_price(sizes, i, kind, nodes) for i in range(len(sizes))]
+        by_size: dict[int, float] = {}
+        for i, n in enumerate(sizes):
+            if n not in by_size:
+                by_size[n] = self.band_price(sizes, i, kind, nodes)
+        return [by_size[n] for n in sizes]
 
     def cheapest(
         self, sizes: Sequence[int], nodes: Sequence[int] | None, ranks: int | None = None
