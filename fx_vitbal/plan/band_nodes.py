@@ -83,7 +83,12 @@ def solve_by_nodes(
         tolerance=min(config.tolerance, NODE_TOLERANCE),
         max_iters=max(config.max_iters, NODE_ITERS),
     )
-    inside = dataclasses.replace(prices, ranks_per_node=None) if prices is not None else None
+    # Prices of bands on one node. By node, ``prices`` gives them as they are (its node size
+    # tells apart only frames of more bands than a node has ranks), and shares their memo with
+    # the step's cuts; node-blind, one "node" is every rank.
+    inside = prices
+    if prices is not None and rpn == num_ranks:
+        inside = dataclasses.replace(prices, ranks_per_node=None)
     first = expand(units_O, costs_O, cross)
     # A frame binds above the mean, or above the dearest band cut across nodes (no plan ends
     # below that: cutting what costs less buys nothing).
