@@ -30,6 +30,7 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.cost.memory import held_bytes_per_patch
 from fx_vitbal.plan import bands
 from fx_vitbal.plan import step as planning
+from fx_vitbal.plan.band_plan import forget_prices
 from fx_vitbal.plan.band_prices import exchange_prices, step_traffic
 from fx_vitbal.plan.units import unit_rows
 from fx_vitbal.runtime.vit.settings import plan_settings, planner_spec_for
@@ -92,7 +93,8 @@ SMALL = [
 
 def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None, repeats: int) -> dict:
     """Plan one step as the runtime does (the fastest of ``repeats`` plans timed, the garbage
-    collector on, as in a training step); the makespan over the mean and what bands cost."""
+    collector on and no shape priced before, as in a training step whose images are new); the
+    makespan over the mean and what bands cost."""
     config = BalanceConfig(split_images=split, ranks_per_node=ranks_per_node)
     settings = plan_settings(planner_spec_for(config, QWEN2_VL_7B, True, QWEN2_VL_7B_BANDS))
     ranks = len(grids) * replicas
@@ -103,6 +105,7 @@ def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None, rep
     seconds = []
     for _ in range(repeats):
         gc.collect()
+        forget_prices()
         start = time.perf_counter()
         planned = planning.plan_step(grids, settings, sets)
         seconds.append(time.perf_counter() - start)

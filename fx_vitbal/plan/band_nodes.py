@@ -169,7 +169,7 @@ def solve_by_nodes(
             for entry, d in zip(unit, ds, strict=True):
                 where[entry[:3]] = ranks[d]
     _by_node(cross, where)
-    cuts, where = _merged({**cross, **pieces}, where)
+    cuts = _merged({**cross, **pieces}, where)
     if not cuts:
         return None
     final = expand(units_O, costs_O, cuts)
@@ -264,35 +264,35 @@ def _in_pieces(cut: Cut, unit, rule: BandRule) -> Cut:
     return cut._replace(bands=bands, prices=[per_row * b.h for b in bands])
 
 
-def _merged(cuts: dict, where: dict) -> tuple[dict, dict]:
-    """``(cuts, where)``: each frame's pieces regrouped so each rank computing some holds one
+def _merged(cuts: dict, where: dict) -> dict:
+    """``cuts`` with each frame's pieces regrouped so each rank computing some holds one
     run of the frame's rows, as many as its pieces had (ranks in the order of their first
     piece), one band: a band costs its rows' share of the frame, so every rank's load stays
     as planned, even where the pieces are not (24 row blocks in 16 pieces: 8 of two blocks, 8
     of one; a rank holding one of each gets three blocks, not its first two pieces). A frame
     on one rank is whole again; cuts the budget needs keep their bands. ``where``: ``(owner,
-    whole index, band)`` -> rank, before and after."""
-    merged, placed = {}, {key: r for key, r in where.items() if key[:2] not in cuts}
+    whole index, band)`` -> rank, the pieces' entries replaced by the bands' in place."""
+    merged = {}
     for (o, i), cut in cuts.items():
-        ranks = [where[(o, i, b)] for b in range(len(cut.bands))]
+        ranks = [where.pop((o, i, b)) for b in range(len(cut.bands))]
         rows = dict.fromkeys(ranks, 0)
         for r, piece in zip(ranks, cut.bands, strict=True):
             rows[r] += piece.h
         if cut.required or len(rows) == len(ranks):
             merged[(o, i)] = cut
-            placed.update(((o, i, b), r) for b, r in enumerate(ranks))
+            where.update(((o, i, b), r) for b, r in enumerate(ranks))
             continue
         if len(rows) == 1:
-            placed[(o, i, 0)] = ranks[0]
+            where[(o, i, 0)] = ranks[0]
             continue
         first, bands = cut.bands[0], []
         at = first.first_row
         for b, (r, h) in enumerate(rows.items()):
             bands.append(Band(1, h, first.w, first.full_h, at))
-            placed[(o, i, b)] = r
+            where[(o, i, b)] = r
             at += h
         merged[(o, i)] = cut._replace(bands=bands, prices=[0.0] * len(bands))
-    return merged, placed
+    return merged
 
 
 def by_nodes(ranks_per_node: int | None, num_ranks: int) -> bool:

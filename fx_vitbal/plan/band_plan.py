@@ -65,6 +65,12 @@ def price_cut(
     return kind, list(priced)
 
 
+def forget_prices() -> None:
+    """Empty ``price_cut``'s memo of priced shapes: to time a plan as a step whose shapes the
+    process has not priced before (``benchmarks/bands.py``)."""
+    _priced.cache_clear()
+
+
 @functools.lru_cache(maxsize=4096)
 def _priced(prices: ExchangePrices, sizes: tuple[int, ...], nodes, distinct: int):
     """``price_cut``'s answer, once per shape and place (frames repeat their shapes)."""
