@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost
 from fx_vitbal.cost.memory import held_bytes_per_patch
+from fx_vitbal.plan.band_plan import price_cut
 from fx_vitbal.plan.band_prices import (
     INTER_NODE_COLLECTIVE_SECONDS,
     exchange_prices,
@@ -407,3 +408,20 @@ def test_replica_sets_plan_bands_covering_each_frame_once(grids, ranks_per_node,
         bands = [planned.units_O[name[0]][i] for i in indices]
         assert bands[0].first_row == 0 and sum(b.h for b in bands) == bands[0].full_h
         assert all(b.first_row % 2 == 0 and b.h % 2 == 0 and b.h * b.w >= 256 for b in bands)
+
+
+def test_two_bands_of_a_frame_on_one_rank_are_priced_as_the_gather_the_runtime_runs():
+    """Plans put a band a rank, but a cut priced on fewer ranks than bands (two on one) is
+    what the runtime gathers, whatever the kind: forced ``usp`` there divided by a Ulysses
+    group of no bands (five bands on four ranks). On five ranks the forced kind holds (five
+    bands divide neither the heads nor into groups: ``ulysses`` and ``usp`` become ``ring``)."""
+    bands = RULE.bands((1, 96, 96), 5)
+    for forced in ("auto", "gather", "ulysses", "ring", "usp"):
+        config = fx_vitbal.BalanceConfig(band_exchange=forced)
+        priced = exchange_prices(RULE, macs=True, ranks_per_node=8, forced=forced)
+        for prices in (priced, None):
+            kind, _ = price_cut(bands, RULE, prices, None, config, ranks=[0, 0, 1, 2, 3])
+            assert kind == "gather", (forced, prices)
+            if forced != "auto":
+                kind, _ = price_cut(bands, RULE, prices, None, config, ranks=[0, 1, 2, 3, 4])
+                assert kind == ("gather" if forced == "gather" else "ring"), (forced, prices)

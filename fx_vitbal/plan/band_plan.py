@@ -54,13 +54,14 @@ def price_cut(
 ) -> tuple[str, list[float]]:
     """``(kind, prices)`` of bands placed on ``nodes`` (computed on ``ranks``, when known): the
     cheapest kind (``auto``) or the one ``config.band_exchange`` forces; without a scale for
-    bytes, no price and ``gather`` for ``auto``. Two bands of the frame on one rank: ``gather``
-    for ``auto`` (the runtime gathers there)."""
+    bytes, no price and ``gather`` for ``auto``. Two bands of the frame on one rank:
+    ``gather``, forced or not (the runtime gathers there, whatever the kind)."""
     distinct = len(set(ranks)) if ranks is not None else len(bands)
     if prices is None:
         forced = config.band_exchange
-        rule_kinds = kinds_for(rule, forced, distinct, config.ranks_per_node)
-        return "gather" if forced == "auto" else rule_kinds[0], [0.0] * len(bands)
+        if forced == "auto" or distinct < len(bands):
+            return "gather", [0.0] * len(bands)
+        return kinds_for(rule, forced, distinct, config.ranks_per_node)[0], [0.0] * len(bands)
     kind, priced = _priced(prices, tuple(b.h * b.w for b in bands), nodes, distinct)
     return kind, list(priced)
 
@@ -74,7 +75,7 @@ def forget_prices() -> None:
 @functools.lru_cache(maxsize=4096)
 def _priced(prices: ExchangePrices, sizes: tuple[int, ...], nodes, distinct: int):
     """``price_cut``'s answer, once per shape and place (frames repeat their shapes)."""
-    if distinct < len(sizes) and prices.forced == "auto":
+    if distinct < len(sizes):
         return "gather", tuple(prices.frame_prices(sizes, "gather", nodes))
     kind, priced = prices.cheapest(sizes, nodes, distinct)
     return kind, tuple(priced)
