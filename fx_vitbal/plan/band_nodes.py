@@ -197,7 +197,7 @@ def _cuts_inside(first: Placed, binds, mean, ranks, rule, inside, config, held_p
     cut_at = {}
     for r, (units, costs) in enumerate(zip(first.units_O, first.costs_O, strict=True)):
         for j, (u, cost) in enumerate(zip(units, costs, strict=True)):
-            if cost <= binds and config.memory_budget is None or is_band(u) or u[0] != 1:
+            if (cost <= binds and config.memory_budget is None) or is_band(u) or u[0] != 1:
                 continue
             need = bands_needed(u, held_per_patch, config, rule.align)
             if need < 2 and cost <= binds:
