@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost
 from fx_vitbal.cost.memory import held_bytes_per_patch
-from fx_vitbal.plan.band_plan import price_cut
+from fx_vitbal.plan.band_plan import price_cut, spread
 from fx_vitbal.plan.band_prices import (
     INTER_NODE_COLLECTIVE_SECONDS,
     exchange_prices,
@@ -261,6 +261,19 @@ def test_held_activations_follow_the_architecture():
     assert held_bytes_per_patch(QWEN2_VL) == 32 * 2 * (8 * 1280 + 2 * 5120)
     assert held_bytes_per_patch(QWEN2_VL) == 32 * 32 * 1280
     assert RULE.held_bytes_per_patch() == held_bytes_per_patch(QWEN2_VL)  # from the width alone
+
+
+def test_a_band_spread_off_its_rank_goes_round_where_loads_tie_but_for_rounding():
+    """Rank 2 holds both bands of a frame; every rank's load is 2 bands' but rank 1's, which
+    lost one band and gained another of the same cost and ends a rounding below: the band goes
+    to rank 3, the next after rank 2, not to rank 1 (where a third band would follow: four
+    frames budget-cut in two on four ranks ended 2, 3, 2, 1 bands a rank)."""
+    band = 0.1 + 0.2  # 0.30000000000000004
+    loads = [2 * band, 2 * band - band + band - 1e-16, 2 * band, 2 * band]
+    assert loads[1] < loads[3]
+    dest = [2, 2]
+    assert spread([(dest, 0), (dest, 1)], loads, [band, band])
+    assert dest == [2, 3]
 
 
 def test_a_budget_cuts_frames_that_bind_nothing_on_ranks_of_their_own():

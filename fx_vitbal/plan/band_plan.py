@@ -26,6 +26,9 @@ from fx_vitbal.plan.bands import Band, BandRule, band_cost
 from fx_vitbal.plan.candidates import candidate_from_dest, make_plan, row_cap
 from fx_vitbal.plan.units import Plan, Units, is_band, unit_rows
 
+# Loads within this fraction of each other tie where bands are spread (``spread``).
+TIE = 1e-9
+
 
 class Cut(NamedTuple):
     """A frame's bands, their exchange, and where they were priced."""
@@ -245,18 +248,21 @@ def rebuild(
 
 def spread(slots: list[tuple[list[int], int]], loads: list[float], costs: Sequence[float]) -> bool:
     """Move bands of one frame off ranks computing another band of it, each to the least loaded
-    rank computing none, on ties the next after it (nearby ranks share a node; frames crowded
-    alike go round, not to one rank); ``slots``: where each band's rank is written (a list
-    and an index), ``costs`` each band's, ``loads`` updated. False when there are fewer ranks
-    than bands."""
+    rank computing none, on ties (``TIE``) the next after it (nearby ranks share a node;
+    frames crowded alike go round, not to one rank); ``slots``: where each band's rank is
+    written (a list and an index), ``costs`` each band's, ``loads`` updated. False when there
+    are fewer ranks than bands."""
     if len(slots) > len(loads):
         return False
     taken: set[int] = set()
     for (dest, j), cost in zip(slots, costs, strict=True):
         if dest[j] in taken:
             here, n = dest[j], len(loads)
-            free = (r for r in range(n) if r not in taken)
-            target = min(free, key=lambda r: (loads[r], (r - here) % n))
+            free = [r for r in range(n) if r not in taken]
+            least = min(loads[r] for r in free)
+            # Loads equal but for rounding (a band moved off and another on) tie.
+            tied = (r for r in free if loads[r] <= least + abs(least) * TIE)
+            target = min(tied, key=lambda r: (r - here) % n)
             loads[here] -= cost
             loads[target] += cost
             dest[j] = target
