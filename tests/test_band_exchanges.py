@@ -95,6 +95,9 @@ def _reference_kinds(rank: int, world: int) -> dict:
             "difference": _close(got, want, 1e-9),
             "split": (stats.split_units, stats.band_exchanges),
             "p2p": [(phase, peers) for phase, name, _, peers in issued if name == "p2p"],
+            "backward messages": [
+                n for p, name, n, _ in issued if name == "p2p" and p == "backward"
+            ],
         }
     return results
 
@@ -109,6 +112,9 @@ def test_each_exchange_kind_forced_across_nodes_gives_the_unsplit_outputs_and_gr
             assert res["split"] == (4, (kind,)), (kind, rank, res["split"])
             assert res["p2p"], (kind, rank)  # every rank holds a band: each exchanged
             assert {peer for _, peers in res["p2p"] for peer in peers} <= {0, 1, 2, 3} - {rank}
+            if kind in ("gather", "ring"):  # a block and a block's dK/dV in flight each way,
+                # never the frame's (gather's backward once fetched all 3 blocks at once)
+                assert max(res["backward messages"]) == 4, (kind, rank, res["backward messages"])
 
 
 def _compiled_kinds(rank: int, world: int) -> dict:

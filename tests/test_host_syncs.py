@@ -40,10 +40,12 @@ def _grids(rank: int, step: int, replicas=None) -> list[list[int]]:
 
 # Paths past the five above, run in the world of own sets: each its own way in, 3 steps.
 EXTRA_PATHS = ["none", "windowed", "online", "bf16", "gloo", "bands"]
-# The bands path: rank 0's 16x12 frame split across the ranks (rank 2 text-only) on every step;
-# its keys and values are exchanged in each of the tower's 2 layers, forward and backward.
+# The bands path: rank 0's 16x12 frame split across the 3 ranks (rank 2 text-only) on every
+# step; its keys and values are exchanged in each of the tower's 2 layers, forward (one batch)
+# and backward (the 2 other blocks fetched one a step, each block's gradients home a step
+# later: 4 batches).
 BANDS = fx_vitbal.BalanceConfig(cost_model="quadratic", min_band_patches=32)
-BAND_LAYERS = 2
+BAND_LAYERS, BAND_BACKWARD_BATCHES = 2, 4
 HF_PATHS = {"qwen2_5_vl": "Qwen2.5-VL (windowed)", "qwen3_vl": "Qwen3-VL", "glm4v": "GLM-4V"}
 HF_RUN = [f"hf_{family}" for family in HF_PATHS]
 # Per rank, (images, videos) of the Hugging Face paths; GLM samples hold one kind only.
@@ -209,10 +211,11 @@ def _check_step(path: str, rank: int, step: int, record: dict, first: bool) -> N
     assert len(record["waits"]) == 1 and "status.py" in record["waits"][0], context
     assert record["mixed"] == [], context
     # A band's keys and values move among its frame's ranks only (point to point: one batch a
-    # layer forward, two backward); a rank without a band sends none.
+    # layer forward, ``BAND_BACKWARD_BATCHES`` backward); a rank without a band sends none.
     bands = record["collectives"].count(("forward", "p2p"))
     assert bands in ((0, BAND_LAYERS) if path == "bands" else (0,)), context
-    assert record["collectives"].count(("backward", "p2p")) == 2 * bands, context
+    backward_p2p = record["collectives"].count(("backward", "p2p"))
+    assert backward_p2p == BAND_BACKWARD_BATCHES * bands, context
     forward = [n for phase, n in record["collectives"] if phase == "forward" and n != "p2p"]
     expected = ["all_gather"] * gathers + ["all_to_all"]
     expected += (["all_gather"] if first else []) + ["all_to_all"]

@@ -6,8 +6,9 @@ bf16) needs the rest of the frame. Per exchanging layer, its rank moves (the run
 ``runtime/bands/``):
 
 - ``gather``: the other bands' keys and values, ``kv * (N - n)`` bytes in (``4*N*d*(k-1)/k``
-  for even bands), in one collective; its backward fetches them again and sends their gradients
-  home: twice the bytes.
+  for even bands), in one collective; its backward fetches them again one block a step, each
+  behind the gradients of the block before, and sends each block's gradients home a step later
+  (``ring``'s backward below, straight from and to each block's owner): twice the bytes.
 - ``ulysses``: an all-to-all of heads (q, k, v out, the outputs back: ``8*N*d*(k-1)/k**2`` for
   even bands), two collectives, the same again in the backward; only where the heads divide
   among the ``k`` ranks.
@@ -152,10 +153,12 @@ class ExchangePrices:
         link = self.across if spans else self.inside
         other = total - n
         backward = BACKWARD_BYTES[kind]
+        # k - 1 steps a direction, each behind one block's attention (gather: backward only)
+        exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * n)
         if kind == "gather":
-            per_layer = 2 * link.latency + (1 + backward) * kv * other / link.bytes_per_cost
-        else:  # ring: k - 1 steps a direction, each behind one block's attention
-            exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * n)
+            forward = link.latency + kv * other / link.bytes_per_cost
+            per_layer = forward + (k - 1) * link.latency + backward * other * exposed
+        else:
             per_layer = 2 * (k - 1) * link.latency + (1 + backward) * other * exposed
         return self.rule.exchange_layers * per_layer
 

@@ -7,8 +7,9 @@ cut into k bands on k ranks attends over the whole frame's rows, of which it hol
 frame's ``kind`` (``BalanceConfig.band_exchange``, chosen per frame by the plan) brings it the
 rest:
 
-- ``gather``: every band rank receives the other bands' keys and values (point to point),
-  attends, drops them; its backward gathers them again and sends each remote block's dK/dV home.
+- ``gather``: every band rank receives the other bands' keys and values (point to point, one
+  phase), attends, drops them; its backward fetches them again one block a step from each
+  block's owner and sends each block's dK/dV home a step later (never the whole frame's).
 - ``ring``: key/value blocks travel round the frame's ring in k-1 steps, merged by an online
   softmax, the next block's messages posted before the current block is computed; the backward
   sends them round again with their dK/dV accumulators (FlashAttention-2 / ring attention).
