@@ -421,3 +421,88 @@ def test_block_math_fused_on_cpu_and_written_out_agree_with_autograd(monkeypatch
         assert torch.allclose(out, want, atol=1e-12, rtol=0), fused
         for got, expected in zip((dq, dk, dv), want_grads, strict=True):
             assert torch.allclose(got, expected, atol=1e-12, rtol=0), fused
+
+
+# Three frames whose bands overlap on 4 ranks, uneven, in a batch order unlike the frames'
+# (frame: its bands' rows and ranks in band order), and whole units beside them. Rank 2 holds
+# bands of all three frames; frame 1's ranks are not in rank order.
+OVERLAPPING = {0: ((5, 7, 3, 6), (0, 1, 2, 3)), 1: ((4, 4, 5), (2, 0, 3)), 2: ((6, 2), (3, 2))}
+BATCHES = [  # per rank: a frame id (this rank's band of it) or a whole unit's rows ("whole", n)
+    [("whole", 4), 1, 0],
+    [0, ("whole", 3)],
+    [2, 0, 1],
+    [1, 0, ("whole", 2), 2],
+]
+# Per frame, the kind forced: each kind alone, then one of each (usp: two groups of two bands
+# on frame 0, the others fall back to ring by rule; ulysses on 4 heads and 3 bands: ring).
+KIND_SETS = [(kind, kind, kind) for kind in KINDS] + [("gather", "ring", "ulysses")]
+
+
+def _frame_tensors(seed: int, rows: int, heads: int = 4, dim: int = 8) -> list[torch.Tensor]:
+    """q, k, v and the output's gradient of a frame (seeded by its id: the same on every rank)
+    or of a whole unit."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(heads, rows, dim, generator=gen, dtype=torch.float64) for _ in range(4)]
+
+
+def _overlapping(rank: int, world: int) -> dict:
+    from fx_vitbal.runtime.bands.blocks import AttentionLayout, AttentionUnit, FrameBand
+    from fx_vitbal.runtime.bands.kinds import band_attention
+
+    results = {}
+    for kinds in KIND_SETS:
+        units, pieces, want = [], [], []
+        for entry in BATCHES[rank]:
+            if isinstance(entry, tuple):  # a whole unit: attends over its own rows
+                rows = entry[1]
+                q, k, v, dout = _frame_tensors(100 + len(units), rows)
+                units.append(AttentionUnit(rows=rows))
+                a, b = 0, rows
+            else:
+                band_rows, ranks = OVERLAPPING[entry]
+                index = ranks.index(rank)
+                band = FrameBand(
+                    frame=entry,
+                    kind=kinds[entry],
+                    ranks=ranks,
+                    index=index,
+                    band_rows=band_rows,
+                    node_bands=2 if kinds[entry] == "usp" and len(ranks) == 4 else 1,
+                )
+                units.append(AttentionUnit(rows=band_rows[index], band=band))
+                q, k, v, dout = _frame_tensors(entry, sum(band_rows))
+                a = sum(band_rows[:index])
+                b = a + band_rows[index]
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves)
+            grads = torch.autograd.grad(out, leaves, dout)
+            pieces.append((q[:, a:b], k[:, a:b], v[:, a:b], dout[:, a:b]))
+            want.append([out[:, a:b].detach(), *(g[:, a:b] for g in grads)])
+        q, k, v, dout = (torch.cat([p[i] for p in pieces], 1) for i in range(4))
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with record_collectives() as issued:
+            out = band_attention(*leaves, AttentionLayout(units=tuple(units)), dist.group.WORLD)
+            grads = torch.autograd.grad(out, leaves, dout)
+        got = [out.detach(), *grads]
+        want = [torch.cat([w[i] for w in want], 1) for i in range(4)]
+        results[kinds] = {
+            "difference": _close(got, want, 1e-12),
+            "peers": {peer for _, name, _, peers in issued if name == "p2p" for peer in peers},
+        }
+    return results
+
+
+def test_frames_overlapping_on_ranks_exchange_exactly_whatever_the_kinds_and_batch_order():
+    """``band_attention`` on hand-made layouts (no planner): three frames of 4, 3 and 2 uneven
+    bands overlap on 4 ranks, one rank holding a band of each, batch orders unlike the
+    frames' and one frame's ranks out of rank order, whole units beside them; each kind forced
+    on every frame, and three kinds at once. Outputs and q, k, v gradients equal attention over
+    each whole frame (float64, 1e-12 of the scale), messages only among a frame's ranks."""
+    sharing = [set() for _ in range(4)]
+    for _, ranks in OVERLAPPING.values():
+        for r in ranks:
+            sharing[r] |= set(ranks) - {r}
+    for rank, by_kinds in enumerate(run_ranks(_overlapping, 4)):
+        for kinds, res in by_kinds.items():
+            assert res["difference"] <= 1e-12, (kinds, rank, res["difference"])
+            assert res["peers"] and res["peers"] <= sharing[rank], (kinds, rank, res["peers"])
