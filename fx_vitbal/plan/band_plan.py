@@ -202,11 +202,19 @@ def cut_frame(u, cost, mean, need, cap, rule, prices, config) -> Cut | None:
         if found[0] <= mean:
             return found[1]
         options.append((found[0], k, found[1]))
-    for k in range(start, min(first, cap + 1)):  # fewer bands, each above the mean
-        found = option(k)
-        if found is None:
+    # Fewer bands, each above the mean: the most the rule allows first, stopping where a band's
+    # share of the frame alone exceeds the best yet (fewer bands only raise it, and prices are
+    # never negative): the cut trying every count finds, without pricing the 70 counts of a
+    # 4032 px frame's 72 bands.
+    top = min(first - 1, cap)
+    most = len(rule.bands(u, top)) if top >= start else 0
+    lowest = min((found[0] for found in options), default=math.inf)
+    for k in range(most, start - 1, -1):
+        if cost / k > lowest:
             break
+        found = option(k)
         options.append((found[0], k, found[1]))
+        lowest = min(lowest, found[0])
     best = min(options, key=lambda option: option[:2], default=None)
     if best is None:  # fewer bands than the budget asks fit the rule: as many as fit
         bands = rule.bands(u, min(need, cap))
