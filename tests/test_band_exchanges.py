@@ -218,9 +218,9 @@ def test_a_rank_without_a_band_issues_no_per_layer_exchange():
 
 
 def _paths(rank: int, world: int) -> dict:
-    """Ring and usp across nodes on the other paths: a ViT balanced in place, a plan made
-    ahead, and replica sets (ranks 0-1 and 2-3 each hold one batch)."""
-    return {kind: _paths_of(rank, kind) for kind in ("ring", "usp")}
+    """Each kind across nodes on the other paths: a ViT balanced in place, a plan made ahead,
+    and replica sets (ranks 0-1 and 2-3 each hold one batch)."""
+    return {kind: _paths_of(rank, kind) for kind in KINDS}
 
 
 def _paths_of(rank: int, kind: str) -> dict:
@@ -261,7 +261,7 @@ def _paths_of(rank: int, kind: str) -> dict:
     }
 
 
-def test_ring_and_usp_across_nodes_on_every_path_give_the_unsplit_outputs():
+def test_each_kind_across_nodes_on_every_path_gives_the_unsplit_outputs():
     for rank, by_kind in enumerate(run_ranks(_paths, 4)):
         for kind, res in by_kind.items():
             for path, (difference, exchanges) in res.items():
