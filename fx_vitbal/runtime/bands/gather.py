@@ -5,14 +5,9 @@ its owner ([Note: what autograd keeps] in ``bands.kinds``)."""
 import torch
 from torch.autograd.function import once_differentiable
 
-from fx_vitbal.runtime.bands.blocks import (
-    FrameBand,
-    OnlineSoftmax,
-    block_grads,
-    whole_backward,
-    whole_forward,
-)
-from fx_vitbal.runtime.bands.p2p import ACC, KV, Phase
+from fx_vitbal.runtime.bands.blocks import OnlineSoftmax, whole_forward
+from fx_vitbal.runtime.bands.p2p import KV, Phase
+from fx_vitbal.runtime.bands.ring import ring_backward
 
 
 def _gather_kv(bands, k, v, group) -> tuple[Phase, list[dict[int, torch.Tensor]]]:
@@ -42,7 +37,8 @@ class Gather(torch.autograd.Function):
     own block's from band ``i - s``), as ``ring``'s walk but without the hops: a rank holds
     two blocks of keys and values and two of their gradients at a time, not the frame's (the
     frame's dK/dV held at once set the peak of a checkpointed tower). The whole units'
-    gradients hide the last step. Saves q, k, v, out, lse (all local).
+    gradients hide the last step (``ring_backward`` with ``hops=False``). Saves q, k, v, out, lse
+    (all local).
     """
 
     @staticmethod
@@ -66,58 +62,5 @@ class Gather(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        bands = ctx.bands
-        current = [torch.cat([k[:, a:b], v[:, a:b]], -1) for _, a, b in bands]  # step 0: own
-        own = list(current)
-        done: list[torch.Tensor | None] = [None] * len(bands)  # dK/dV of the last step's block
-        last = max((band.num_bands for band, _, _ in bands), default=0)
-        for step in range(last + 1):  # one more step than blocks: the last dK/dV go home
-            phase, fetched, returned = Phase(ctx.group), {}, {}
-            for n, (band, _, _) in enumerate(bands):
-                if step + 1 < band.num_bands:
-                    fetched[n] = _fetch(phase, band, own[n], step + 1)
-                if 2 <= step <= band.num_bands:
-                    returned[n] = _send_home(phase, band, done[n], step - 1)
-            phase.start()
-            if step == last:  # no block left to compute: hide the last step
-                whole_backward(q, k, v, dout, out, lse, ctx.whole, dq, dk, dv)
-            for n, (band, a, b) in enumerate(bands):
-                if step >= band.num_bands:
-                    continue
-                dq_s, dk_s, dv_s = block_grads(
-                    q[:, a:b], *current[n].chunk(2, -1), dout[:, a:b], out[:, a:b], lse[:, a:b]
-                )
-                dq[:, a:b] += dq_s
-                if step == 0:
-                    dk[:, a:b], dv[:, a:b] = dk_s, dv_s
-                else:
-                    done[n] = torch.cat([dk_s, dv_s], -1)
-            phase.wait()
-            del phase  # its messages hold the blocks sent: dropped once arrived
-            for n, (_, a, b) in enumerate(bands):
-                if n in returned:
-                    dk_home, dv_home = returned[n].chunk(2, -1)
-                    dk[:, a:b] += dk_home
-                    dv[:, a:b] += dv_home
-                current[n] = fetched.get(n)
-        return dq, dk, dv, None, None, None
-
-
-def _fetch(phase: Phase, band: FrameBand, own: torch.Tensor, step: int) -> torch.Tensor:
-    """Send this band's K/V (``own``) to the band that computes it at ``step`` (``i - step``);
-    receive the block this band computes at ``step`` (``i + step``) from its owner."""
-    kb, i = band.num_bands, band.index
-    phase.send(own, band.ranks[(i - step) % kb], band.frame, KV)
-    shape = (own.shape[0], band.band_rows[(i + step) % kb], own.shape[2])
-    return phase.recv(shape, own, band.ranks[(i + step) % kb], band.frame, KV)
-
-
-def _send_home(phase: Phase, band: FrameBand, grads: torch.Tensor, step: int) -> torch.Tensor:
-    """Send the dK/dV of the block computed at ``step`` to its owner (``i + step``); receive this
-    band's own block's from the band that computed it then (``i - step``)."""
-    kb, i = band.num_bands, band.index
-    phase.send(grads, band.ranks[(i + step) % kb], band.frame, ACC)
-    shape = (grads.shape[0], band.band_rows[i], grads.shape[2])
-    return phase.recv(shape, grads, band.ranks[(i - step) % kb], band.frame, ACC)
+        grads = ring_backward(*ctx.saved_tensors, dout, ctx.whole, ctx.bands, ctx.group, hops=False)
+        return *grads, None, None, None

@@ -1,6 +1,7 @@
 """``ring``: a split frame's key/value blocks passed round its ranks, merged by an online
 softmax, each step's messages flying during a block's attention (``bands.kinds``); its forward
-and backward also serve ``usp``'s ring across groups (``bands.heads``)."""
+and backward also serve ``usp``'s ring across groups (``bands.heads``), and its backward,
+routed straight to each block's owner, ``gather``'s (``bands.gather``)."""
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -65,19 +66,32 @@ def ring_forward(q, k, v, whole, bands, group) -> tuple[torch.Tensor, torch.Tens
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, dout, whole, bands, group) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv)`` of ``Ring``'s backward."""
+def ring_backward(
+    q, k, v, out, lse, dout, whole, bands, group, hops: bool = True
+) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` of ``Ring``'s backward; with ``hops=False``, ``Gather``'s: the same walk
+    of blocks, but each block fetched from its owner and each block's dK/dV sent straight to
+    it a step later (``_fetch``, ``_send_home``) instead of passed on by the next band."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    current = [torch.cat([k[:, a:b], v[:, a:b]], -1) for _, a, b in bands]
+    own = [torch.cat([k[:, a:b], v[:, a:b]], -1) for _, a, b in bands]
+    current = list(own)
     acc: list[torch.Tensor | None] = [None] * len(bands)  # dK/dV [H, rows, 2D] of a block
     last = _most_bands(bands)  # one more phase than blocks: accumulators come home
     for step in range(last + 1):
         phase, following, incoming = Phase(group), {}, {}
         for n, (band, _, _) in enumerate(bands):
             if step < band.num_bands - 1:
-                following[n] = _pass_block(phase, band, current[n], step + 1)
+                following[n] = (
+                    _pass_block(phase, band, current[n], step + 1)
+                    if hops
+                    else _fetch(phase, band, own[n], step + 1)
+                )
             if 2 <= step <= band.num_bands:
-                incoming[n] = _pass_acc(phase, band, acc[n], step)
+                incoming[n] = (
+                    _pass_acc(phase, band, acc[n], step)
+                    if hops
+                    else _send_home(phase, band, acc[n], step - 1)
+                )
         phase.start()
         if step == last:  # the last phase has no block to compute: hide its hop
             whole_backward(q, k, v, dout, out, lse, whole, dq, dk, dv)
@@ -93,15 +107,15 @@ def ring_backward(q, k, v, out, lse, dout, whole, bands, group) -> tuple[torch.T
             else:
                 acc[n] = torch.cat([dk_s, dv_s], -1)
         phase.wait()
+        del phase  # its messages hold the blocks sent: dropped once arrived
         for n, (band, a, b) in enumerate(bands):
-            if n in incoming and step < band.num_bands:
+            if n in incoming and hops and step < band.num_bands:
                 acc[n] += incoming[n]
-            elif n in incoming:  # step == k: this band's own block, every rank's share
+            elif n in incoming:  # this band's own block, every rank's share (hops: summed)
                 dk_home, dv_home = incoming[n].chunk(2, -1)
                 dk[:, a:b] += dk_home
                 dv[:, a:b] += dv_home
-        for n, block in following.items():
-            current[n] = block
+            current[n] = following.get(n)
     return dq, dk, dv
 
 
@@ -124,3 +138,21 @@ def _pass_acc(phase: Phase, band: FrameBand, acc: torch.Tensor, step: int) -> to
     phase.send(acc, band.ranks[(i + 1) % kb], band.frame, ACC)
     shape = (acc.shape[0], band.band_rows[(i - step) % kb], acc.shape[2])
     return phase.recv(shape, acc, band.ranks[(i - 1) % kb], band.frame, ACC)
+
+
+def _fetch(phase: Phase, band: FrameBand, own: torch.Tensor, step: int) -> torch.Tensor:
+    """Send this band's K/V (``own``) to the band that computes it at ``step`` (``i - step``);
+    receive the block this band computes at ``step`` (``i + step``) from its owner."""
+    kb, i = band.num_bands, band.index
+    phase.send(own, band.ranks[(i - step) % kb], band.frame, KV)
+    shape = (own.shape[0], band.band_rows[(i + step) % kb], own.shape[2])
+    return phase.recv(shape, own, band.ranks[(i + step) % kb], band.frame, KV)
+
+
+def _send_home(phase: Phase, band: FrameBand, grads: torch.Tensor, step: int) -> torch.Tensor:
+    """Send the dK/dV of the block computed at ``step`` to its owner (``i + step``); receive this
+    band's own block's from the band that computed it then (``i - step``)."""
+    kb, i = band.num_bands, band.index
+    phase.send(grads, band.ranks[(i + step) % kb], band.frame, ACC)
+    shape = (grads.shape[0], band.band_rows[i], grads.shape[2])
+    return phase.recv(shape, grads, band.ranks[(i - step) % kb], band.frame, ACC)
