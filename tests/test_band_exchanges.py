@@ -506,3 +506,63 @@ def test_frames_overlapping_on_ranks_exchange_exactly_whatever_the_kinds_and_bat
         for kinds, res in by_kinds.items():
             assert res["difference"] <= 1e-12, (kinds, rank, res["difference"])
             assert res["peers"] and res["peers"] <= sharing[rank], (kinds, rank, res["peers"])
+
+
+# One frame in four uneven bands (rows), for the byte counts below.
+UNEVEN_ROWS = (6, 10, 2, 4)
+
+
+def _received(rank: int, world: int) -> dict:
+    """Per kind, the elements this rank received from each peer in one layer's forward and
+    backward through ``band_attention`` (4 heads of 8: a patch's keys and values are 64)."""
+    from fx_vitbal.runtime.bands.blocks import AttentionLayout, AttentionUnit, FrameBand
+    from fx_vitbal.runtime.bands.kinds import band_attention
+    from fx_vitbal.runtime.transport import collectives
+
+    original, received = collectives.send_receive, {}
+
+    def counting(messages, group):
+        for is_send, tensor, peer, _ in messages:
+            if not is_send:
+                received[peer] = received.get(peer, 0) + tensor.numel()
+        return original(messages, group)
+
+    collectives.send_receive, results = counting, {}
+    try:
+        for kind in KINDS:
+            received.clear()
+            band = FrameBand(
+                frame=0,
+                kind=kind,
+                ranks=(0, 1, 2, 3),
+                index=rank,
+                band_rows=UNEVEN_ROWS,
+                node_bands=2 if kind == "usp" else 1,
+            )
+            layout = AttentionLayout(units=(AttentionUnit(rows=UNEVEN_ROWS[rank], band=band),))
+            q, k, v, dout = _frame_tensors(rank, UNEVEN_ROWS[rank])
+            leaves = [t.requires_grad_(True) for t in (q, k, v)]
+            out = band_attention(*leaves, layout, dist.group.WORLD)
+            torch.autograd.grad(out, leaves, dout)
+            results[kind] = dict(received)
+    finally:
+        collectives.send_receive = original
+    return results
+
+
+def test_the_bytes_each_band_receives_are_what_the_planner_prices():
+    """One frame in four uneven bands (6, 10, 2, 4 rows) on 4 ranks, each kind forced (usp:
+    two groups of two): what each rank receives from each peer through one layer's forward and
+    backward equals ``band_prices.band_receives``, whose bytes price gather's and ring's
+    exchange (``band_price``) and count every kind's traffic (``frame_traffic``). Uneven bands
+    tell the backwards apart: a gather band gets its own block's gradients from each peer, a
+    ring band every accumulator but the one that starts on it."""
+    from fx_vitbal.plan.band_prices import band_receives
+    from fx_vitbal.plan.bands import BandRule
+
+    kv = 2 * 4 * 8  # a patch's keys and values: 2 tensors of 4 heads x 8
+    rule = BandRule(align=1, min_patches=1, exchange_layers=1, kv_bytes_per_patch=kv, heads=4)
+    for rank, by_kind in enumerate(run_ranks(_received, 4)):
+        for kind, got in by_kind.items():
+            want = dict(band_receives(rule, UNEVEN_ROWS, rank, kind, ranks_per_node=2))
+            assert got == want, (kind, rank, got, want)

@@ -348,9 +348,10 @@ def test_a_budget_cuts_frames_that_bind_nothing_on_ranks_of_their_own():
 def test_an_uneven_cut_closes_the_gap_whole_frames_leave():
     """Three large frames (40x40, 36x36, 32x32 patches) on rank 0, two small ones on rank 1,
     nothing binds the step: the best plan of whole frames ends 8% above the mean. One frame is
-    cut in two bands of different sizes, one on each rank: the loads end level (0.2% apart;
-    each band paying its exchange, ~1.1 ms a step at NVLink rates) and the makespan falls by
-    2.5%, over a quarter of the gap."""
+    cut in two bands of different sizes, one on each rank: the loads end level to within half
+    of one ``align`` block of the frame (rows move in whole blocks; each band paying its
+    exchange, 0.7 and 1.7 ms a step at NVLink rates) and the makespan falls by over a quarter of the
+    gap."""
     grids = [[[1, 40, 40], [1, 36, 36], [1, 32, 32]], [[1, 16, 16], [1, 8, 8]]]
     planned = _plan(grids, min_gain=0.0, min_band_patches=64)
     whole = _plan(grids, min_gain=0.0, min_band_patches=64, split_images=False)
@@ -360,7 +361,8 @@ def test_an_uneven_cut_closes_the_gap_whole_frames_leave():
     bands = [planned.units_O[name[0]][i] for i in planned.frames[name]]
     assert len(bands) == 2 and bands[0].h != bands[1].h
     assert sorted(_ranks(planned, name)) == [0, 1]
-    assert planned.plan.imbalance_after < 0.005
+    block = QWEN2_VL(1, bands[0].full_h, bands[0].w) * RULE.align / bands[0].full_h
+    assert planned.plan.imbalance_after <= block / 2 / mean
     assert _makespan(whole.plan) - _makespan(planned.plan) > (_makespan(whole.plan) - mean) / 4
 
 

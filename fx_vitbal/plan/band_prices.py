@@ -8,7 +8,9 @@ bf16) needs the rest of the frame. Per exchanging layer, its rank moves (the run
 - ``gather``: the other bands' keys and values, ``kv * (N - n)`` bytes in (``4*N*d*(k-1)/k``
   for even bands), in one collective; its backward fetches them again one block a step, each
   behind the gradients of the block before, and sends each block's gradients home a step later
-  (``ring``'s backward below, straight from and to each block's owner): twice the bytes.
+  (``ring``'s backward below, straight from and to each block's owner): in, the blocks again
+  and its own block's gradients from each peer, ``kv * (N - n + (k - 1) * n)`` (twice the
+  forward's for even bands; a cut's large band gets more, its small ones less).
 - ``ulysses``: an all-to-all of heads (q, k, v out, the outputs back: ``8*N*d*(k-1)/k**2`` for
   even bands), two collectives, the same again in the backward; only where the heads divide
   among the ``k`` ranks.
@@ -16,7 +18,9 @@ bf16) needs the rest of the frame. Per exchanging layer, its rank moves (the run
   the attention of one block (``n`` queries over the ``m`` keys of the block in flight): a step
   costs its latency plus what of its transfer that compute does not hide, ``max(0, bytes /
   bandwidth - pairs * pair cost)``; the backward sends the blocks round again with their
-  gradient accumulators (twice the bytes, behind about twice the compute).
+  gradient accumulators (in: the blocks, ``N - n`` patches, and every block's accumulator but
+  the one that starts here, ``N - m`` for the band ``m`` before: twice the forward's for even
+  bands), behind about twice the compute.
 - ``usp``: ``ulysses`` inside each group of ``u`` consecutive bands (``usp_degree``), then a
   ``ring`` of the ``k / u`` groups' blocks of ``1/u`` of the heads: per key patch ``kv / u``
   bytes behind the attention of the group's ``N_g`` queries for those heads. The heads need
@@ -61,8 +65,6 @@ INTER_NODE_COLLECTIVE_SECONDS = 30e-6
 # ranks share the attention out evenly by heads): an even cut's bands differ by at most one
 # ``align`` block of rows (4032 px in 64 bands: 2 or 3 blocks), an uneven cut's much more.
 EVEN_SPREAD = 1.5
-# Bytes of the backward over the forward's, per kind (``runtime/bands/``).
-BACKWARD_BYTES = {"gather": 2, "ulysses": 1, "ring": 2, "usp": 2}
 # What ulysses moves per patch, in units of a patch's keys and values (``kv``: 2 tensors): a
 # peer's patch's queries, keys and values for a rank's heads (3 tensors), then the outputs of
 # the rank's own patches for its peers' heads (1 tensor): ``8*N*d*(k-1)/k**2`` for even bands.
@@ -152,14 +154,14 @@ class ExchangePrices:
         spans = nodes is not None and len(set(nodes)) > 1
         link = self.across if spans else self.inside
         other = total - n
-        backward = BACKWARD_BYTES[kind]
         # k - 1 steps a direction, each behind one block's attention (gather: backward only)
         exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * n)
-        if kind == "gather":
+        patches = sum(b for _, b in band_receives(self.rule, sizes, i, kind)) / kv
+        if kind == "gather":  # the forward's whole, then the backward's exposed
             forward = link.latency + kv * other / link.bytes_per_cost
-            per_layer = forward + (k - 1) * link.latency + backward * other * exposed
+            per_layer = forward + (k - 1) * link.latency + (patches - other) * exposed
         else:
-            per_layer = 2 * (k - 1) * link.latency + (1 + backward) * other * exposed
+            per_layer = 2 * (k - 1) * link.latency + patches * exposed
         return self.rule.exchange_layers * per_layer
 
     def _ulysses(self, sizes: Sequence[int], i: int, nodes: Sequence[int] | None) -> float:
@@ -197,7 +199,9 @@ class ExchangePrices:
         exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * rows / u)
         steps = len(sizes) // u - 1
         other = sum(sizes) - rows
-        return heads + 2 * steps * link.latency + (1 + BACKWARD_BYTES["usp"]) * other * exposed
+        groups = [sum(sizes[j : j + u]) for j in range(0, len(sizes), u)]
+        backward = _ring_backward_patches(groups, g)
+        return heads + 2 * steps * link.latency + (other + backward) * exposed
 
     def frame_prices(
         self, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
@@ -292,41 +296,58 @@ def frame_traffic(
     ranks_per_node: int | None = None,
 ) -> tuple[float, float]:
     """``(bytes inside nodes, bytes across nodes)`` the frame's ranks receive in one step,
-    forward and backward of every exchanging layer (a ring's blocks each come from the band
-    before; ``nodes`` as in ``ExchangePrices``)."""
-    k, total, kv = len(sizes), sum(sizes), rule.kv_bytes_per_patch
+    forward and backward of every exchanging layer (``band_receives``; ``nodes`` as in
+    ``ExchangePrices``)."""
     inside = across = 0.0
-
-    def far(a: int, b: int) -> bool:
-        return nodes is not None and nodes[a] != nodes[b]
-
-    u = usp_degree(rule.heads, k, ranks_per_node) if kind == "usp" else 0
-    for i, n in enumerate(sizes):
-        if kind == "usp":
-            g, place = divmod(i, u)
-            members = range(g * u, (g + 1) * u)
-            rows = sum(sizes[j] for j in members)
-            heads = [(j, 2 * kv * (ULYSSES_QKV * sizes[j] + ULYSSES_OUT * n) / u) for j in members]
-            before = ((g - 1) % (k // u)) * u + place  # the ring's band before this one
-            pieces = [*heads, (before, (1 + BACKWARD_BYTES[kind]) * kv / u * (total - rows))]
-        elif kind == "ring":
-            pieces = [(i - 1) % k, kv * (total - n) * (1 + BACKWARD_BYTES[kind])]
-            pieces = [tuple(pieces)]
-        elif kind == "gather":
-            pieces = [(j, kv * m * (1 + BACKWARD_BYTES[kind])) for j, m in enumerate(sizes)]
-        else:
-            pieces = [
-                (j, (1 + BACKWARD_BYTES[kind]) * kv * (ULYSSES_QKV * m + ULYSSES_OUT * n) / k)
-                for j, m in enumerate(sizes)
-            ]
-        for j, size in pieces:
-            if j == i or k < 2:
-                continue
-            if far(i, j):
+    for i in range(len(sizes)):
+        for j, size in band_receives(rule, sizes, i, kind, ranks_per_node):
+            if nodes is not None and nodes[i] != nodes[j]:
                 across += size
             else:
                 inside += size
     return rule.exchange_layers * inside, rule.exchange_layers * across
+
+
+def band_receives(
+    rule: BandRule, sizes: Sequence[int], i: int, kind: str, ranks_per_node: int | None = None
+) -> list[tuple[int, float]]:
+    """``(band, bytes)``: what band ``i``'s rank receives from each other band's in one
+    exchanging layer, forward and backward, as ``runtime/bands/`` sends it (a ring's blocks
+    each from the band before; ``kv`` a patch's keys and values):
+
+    - ``gather``: each peer's block twice and its share of this band's gradients,
+      ``kv * (2 * m + n)``;
+    - ``ring``: from the band before, the other blocks twice and the accumulators
+      (``_ring_backward_patches``);
+    - ``ulysses``: each peer's q, k, v of this rank's heads and this band's outputs of the
+      peer's, then their gradients the other way, ``2 * kv * (m + n) / k``;
+    - ``usp``: ``ulysses`` inside its group of ``u`` bands, then ``ring`` across the groups on
+      ``1/u`` of the heads."""
+    k, kv = len(sizes), rule.kv_bytes_per_patch
+    if k < 2:
+        return []
+    n = sizes[i]
+    if kind == "gather":
+        return [(j, kv * (2 * m + n)) for j, m in enumerate(sizes) if j != i]
+    if kind == "ring":
+        return [((i - 1) % k, kv * (sum(sizes) - n + _ring_backward_patches(sizes, i)))]
+    u = usp_degree(rule.heads, k, ranks_per_node) if kind == "usp" else k
+    g, place = divmod(i, u)
+    group = range(g * u, (g + 1) * u)
+    pieces = [(j, 2 * kv * (sizes[j] + n) / u) for j in group if j != i]
+    if kind == "usp" and k > u:
+        groups = [sum(sizes[j : j + u]) for j in range(0, k, u)]
+        patches = sum(sizes) - groups[g] + _ring_backward_patches(groups, g)
+        pieces.append((((g - 1) % (k // u)) * u + place, kv / u * patches))
+    return pieces
+
+
+def _ring_backward_patches(sizes: Sequence[int], i: int) -> int:
+    """The patches of keys and values (or their gradients) a ring's backward brings block
+    ``i``'s rank: the other blocks again, and the accumulator of every block but the one that
+    starts here (the block before's): ``2 * N - n - m`` for the band ``m`` before."""
+    total = sum(sizes)
+    return total - sizes[i] + total - sizes[(i - 1) % len(sizes)]
 
 
 def step_traffic(step, rule: BandRule | None, ranks_per_node: int) -> tuple[float, float]:
