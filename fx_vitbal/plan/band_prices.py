@@ -156,7 +156,7 @@ class ExchangePrices:
         other = total - n
         # k - 1 steps a direction, each behind one block's attention (gather: backward only)
         exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * n)
-        patches = sum(b for _, b in band_receives(self.rule, sizes, i, kind)) / kv
+        patches = received_patches(sizes, i, kind, total)
         if kind == "gather":  # the forward's whole, then the backward's exposed
             forward = link.latency + kv * other / link.bytes_per_cost
             per_layer = forward + (k - 1) * link.latency + (patches - other) * exposed
@@ -198,10 +198,9 @@ class ExchangePrices:
         kv = self.rule.kv_bytes_per_patch / u
         exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * rows / u)
         steps = len(sizes) // u - 1
-        other = sum(sizes) - rows
         groups = [sum(sizes[j : j + u]) for j in range(0, len(sizes), u)]
-        backward = _ring_backward_patches(groups, g)
-        return heads + 2 * steps * link.latency + (other + backward) * exposed
+        patches = received_patches(groups, g, "ring", sum(sizes))
+        return heads + 2 * steps * link.latency + patches * exposed
 
     def frame_prices(
         self, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
@@ -318,7 +317,7 @@ def band_receives(
     - ``gather``: each peer's block twice and its share of this band's gradients,
       ``kv * (2 * m + n)``;
     - ``ring``: from the band before, the other blocks twice and the accumulators
-      (``_ring_backward_patches``);
+      (``received_patches``);
     - ``ulysses``: each peer's q, k, v of this rank's heads and this band's outputs of the
       peer's, then their gradients the other way, ``2 * kv * (m + n) / k``;
     - ``usp``: ``ulysses`` inside its group of ``u`` bands, then ``ring`` across the groups on
@@ -330,24 +329,28 @@ def band_receives(
     if kind == "gather":
         return [(j, kv * (2 * m + n)) for j, m in enumerate(sizes) if j != i]
     if kind == "ring":
-        return [((i - 1) % k, kv * (sum(sizes) - n + _ring_backward_patches(sizes, i)))]
+        return [((i - 1) % k, kv * received_patches(sizes, i, kind, sum(sizes)))]
     u = usp_degree(rule.heads, k, ranks_per_node) if kind == "usp" else k
     g, place = divmod(i, u)
     group = range(g * u, (g + 1) * u)
     pieces = [(j, 2 * kv * (sizes[j] + n) / u) for j in group if j != i]
     if kind == "usp" and k > u:
         groups = [sum(sizes[j : j + u]) for j in range(0, k, u)]
-        patches = sum(sizes) - groups[g] + _ring_backward_patches(groups, g)
+        patches = received_patches(groups, g, "ring", sum(sizes))
         pieces.append((((g - 1) % (k // u)) * u + place, kv / u * patches))
     return pieces
 
 
-def _ring_backward_patches(sizes: Sequence[int], i: int) -> int:
-    """The patches of keys and values (or their gradients) a ring's backward brings block
-    ``i``'s rank: the other blocks again, and the accumulator of every block but the one that
-    starts here (the block before's): ``2 * N - n - m`` for the band ``m`` before."""
-    total = sum(sizes)
-    return total - sizes[i] + total - sizes[(i - 1) % len(sizes)]
+def received_patches(sizes: Sequence[int], i: int, kind: str, total: int) -> int:
+    """``band_receives``' sum for ``gather`` and ``ring``, in patches of keys and values (or
+    of their gradients), closed-form (``total``: the sum of ``sizes``): forward the other
+    blocks, ``N - n``; backward those again, and for ``gather`` this block's gradients from
+    each peer, ``(k - 1) * n``, for ``ring`` every block's accumulator but the one that starts
+    here (the block before's, ``m``): ``N - m``."""
+    other = total - sizes[i]
+    if kind == "gather":
+        return 2 * other + (len(sizes) - 1) * sizes[i]
+    return 2 * other + total - sizes[(i - 1) % len(sizes)]
 
 
 def step_traffic(step, rule: BandRule | None, ranks_per_node: int) -> tuple[float, float]:
