@@ -16,8 +16,10 @@ from fx_vitbal.cost.memory import held_bytes_per_patch
 from fx_vitbal.plan.band_plan import cut_frame, price_cut, spread
 from fx_vitbal.plan.band_prices import (
     INTER_NODE_COLLECTIVE_SECONDS,
+    band_receives,
     exchange_prices,
     frame_traffic,
+    received_patches,
     usp_degree,
 )
 from fx_vitbal.plan.bands import MACS_PER_SECOND, TRAINING_MACS_PER_FORWARD_MAC, BandRule
@@ -172,6 +174,23 @@ def test_bytes_per_layer_and_direction_are_the_issues_formulas():
             assert per_rank == want, (k, kind)
     crossing = frame_traffic(one_layer, [1024] * 4, "gather", (0, 0, 1, 1))
     assert crossing[1] == 2 * crossing[0]  # each rank: one band from its node, two from the other
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=2, max_size=9), st.data())
+def test_what_prices_gather_and_ring_is_the_sum_of_what_each_band_receives(sizes, data):
+    """For any bands, ``received_patches`` (what ``band_price`` counts for gather and ring) is
+    the sum of ``band_receives`` (what the runtime sends, checked on ranks in
+    ``test_band_exchanges.py``), and the frame's ranks receive the same bytes under gather and
+    ring: each band's keys and values reach every other band twice and its dK/dV come home once,
+    whichever way they travel."""
+    i = data.draw(st.integers(0, len(sizes) - 1))
+    rule = BandRule(align=1, min_patches=1, exchange_layers=1, kv_bytes_per_patch=3)
+    for kind in ("gather", "ring"):
+        got = band_receives(rule, sizes, i, kind)
+        assert sum(b for _, b in got) == 3 * received_patches(sizes, i, kind, sum(sizes))
+    totals = [frame_traffic(rule, sizes, kind, None)[0] for kind in ("gather", "ring")]
+    assert totals[0] == totals[1] == 3 * 3 * sum(sizes) * (len(sizes) - 1)
 
 
 def test_a_frame_spanning_nodes_pays_infiniband_and_its_latency():
