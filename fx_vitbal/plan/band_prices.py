@@ -319,7 +319,7 @@ def band_receives(
     - ``ring``: from the band before, the other blocks twice and the accumulators
       (``received_patches``);
     - ``ulysses``: each peer's q, k, v of this rank's heads and this band's outputs of the
-      peer's, then their gradients the other way, ``2 * kv * (m + n) / k``;
+      peer's, then their gradients the other way (``ULYSSES_QKV``, ``ULYSSES_OUT``);
     - ``usp``: ``ulysses`` inside its group of ``u`` bands, then ``ring`` across the groups on
       ``1/u`` of the heads."""
     k, kv = len(sizes), rule.kv_bytes_per_patch
@@ -333,7 +333,12 @@ def band_receives(
     u = usp_degree(rule.heads, k, ranks_per_node) if kind == "usp" else k
     g, place = divmod(i, u)
     group = range(g * u, (g + 1) * u)
-    pieces = [(j, 2 * kv * (sizes[j] + n) / u) for j in group if j != i]
+    pieces = []
+    for j in group:
+        if j != i:  # in the forward the peer's q, k, v and outputs; their gradients come back
+            m = sizes[j]
+            forward, backward = ULYSSES_QKV * m + ULYSSES_OUT * n, ULYSSES_OUT * m + ULYSSES_QKV * n
+            pieces.append((j, kv * (forward + backward) / u))
     if kind == "usp" and k > u:
         groups = [sum(sizes[j : j + u]) for j in range(0, k, u)]
         patches = received_patches(groups, g, "ring", sum(sizes))
