@@ -7,6 +7,7 @@ once, the same plan on every call)."""
 
 import math
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -318,11 +319,80 @@ def test_a_nodes_frames_are_poured_to_the_lowest_level_that_takes_them():
 
 
 def test_held_activations_follow_the_architecture():
-    # 8 hidden-wide and 2 MLP-wide values a patch and layer in bf16: 32 * d bytes for MLP 4x,
-    # 1.28x the ~25 * d bytes a layer torchtitan measured (../shared/notes/bands.md).
-    assert held_bytes_per_patch(QWEN2_VL) == 32 * 2 * (8 * 1280 + 2 * 5120)
-    assert held_bytes_per_patch(QWEN2_VL) == 32 * 32 * 1280
+    # 14 hidden-wide and 3 MLP-wide values a patch and layer in bf16: 52 * d bytes for MLP 4x.
+    assert held_bytes_per_patch(QWEN2_VL) == 32 * 2 * (14 * 1280 + 3 * 5120)
+    assert held_bytes_per_patch(QWEN2_VL) == 32 * 52 * 1280
     assert RULE.held_bytes_per_patch() == held_bytes_per_patch(QWEN2_VL)  # from the width alone
+
+
+def _saved_values_per_patch(cls, config, side: int = 16) -> float:
+    """Values autograd keeps for the backward of ``cls``'s tower on one ``side x side`` frame
+    (distinct storages, without its weights and the input pixels), a patch."""
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    tower = cls._from_config(config)
+    c = tower.config
+    grid = torch.tensor([[1, side, side]])
+    pixels = torch.randn(side * side, c.in_channels * c.temporal_patch_size * c.patch_size**2)
+    held = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+    held.add(pixels.untyped_storage().data_ptr())
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held:
+            saved[storage.data_ptr()] = storage.nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tower(pixels, grid_thw=grid)
+    return sum(saved.values()) / side**2
+
+
+def test_held_activations_cover_what_the_hugging_face_towers_keep():
+    """Per layer and patch, the values each Hugging Face tower (SDPA, float32) keeps for its
+    backward (measured: two depths' difference) are at most what ``cost.memory`` counts for
+    its architecture (``integrations.hf_towers.architecture_cost``), and not far below it:
+    a memory budget cut by the count fits (the count of 8 and 2 widths it replaced was
+    1.26-1.43x below every tower here)."""
+    from transformers.models.glm4v import modeling_glm4v as glm4v
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen2_5_vl
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3_vl
+
+    from fx_vitbal.integrations.hf_towers import architecture_cost
+
+    small = dict(hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64)
+    towers = {  # family: (tower, its config at a depth)
+        "qwen2_vl": (
+            qwen2_vl.Qwen2VisionTransformerPretrainedModel,
+            lambda depth: qwen2_vl.Qwen2VLVisionConfig(
+                depth=depth, embed_dim=64, hidden_size=64, num_heads=4, mlp_ratio=2
+            ),
+        ),
+        "qwen2_5_vl": (
+            qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel,
+            lambda depth: qwen2_5_vl.Qwen2_5_VLVisionConfig(
+                depth=depth, fullatt_block_indexes=list(range(depth)), window_size=112, **small
+            ),
+        ),
+        "qwen3_vl": (
+            qwen3_vl.Qwen3VLVisionModel,
+            lambda depth: qwen3_vl.Qwen3VLVisionConfig(
+                depth=depth, num_position_embeddings=144, deepstack_visual_indexes=[0], **small
+            ),
+        ),
+        "glm4v": (
+            glm4v.Glm4vVisionModel,
+            lambda depth: glm4v.Glm4vVisionConfig(depth=depth, image_size=112, **small),
+        ),
+    }
+    for family, (cls, config_at) in towers.items():
+        kept = [_saved_values_per_patch(cls, config_at(depth)) for depth in (2, 4)]
+        per_layer = (kept[1] - kept[0]) / 2
+        architecture = architecture_cost(cls._from_config(config_at(4)))
+        counted = held_bytes_per_patch(architecture) / architecture.depth / 2  # bf16 values
+        assert 0.7 * counted <= per_layer <= counted, (family, per_layer, counted)
 
 
 def test_a_band_spread_off_its_rank_goes_round_where_loads_tie_but_for_rounding():
@@ -339,26 +409,29 @@ def test_a_band_spread_off_its_rank_goes_round_where_loads_tie_but_for_rounding(
 
 
 def test_a_budget_cuts_frames_that_bind_nothing_on_ranks_of_their_own():
-    """Four equal 64 x 64 frames (5.4 GB of activations each) on four ranks: balanced, no plan
-    of whole units moves anything; a 3 GB budget cuts each in two bands of at most 3 GB, on two
-    ranks, kept though the makespan gains nothing."""
+    """Four equal 64 x 64 frames (8.7 GB of activations each) on four ranks: balanced, no plan
+    of whole units moves anything; a 5 GB budget cuts each in two bands of at most 5 GB, a 3 GB
+    one in three of at most 3 GB, each band on a rank of its own, kept though the makespan gains
+    nothing, and every rank computes as many bands (three-band frames spread one after another
+    left one rank four and another two: ``band_plan._level_bands``)."""
     grids = [[[1, 64, 64]] for _ in range(4)]
-    budget = 3 * 10**9
     assert not _plan(grids).frames
-    for ranks_per_node in (None, 2):
-        planned = _plan(grids, memory_budget=budget, ranks_per_node=ranks_per_node)
-        assert len(planned.frames) == 4
-        held = held_bytes_per_patch(QWEN2_VL)
-        for name, indices in planned.frames.items():
-            bands = [planned.units_O[name[0]][i] for i in indices]
-            assert len(bands) >= math.ceil(64 * 64 * held / budget)
-            assert all(unit_rows(b) * held <= budget for b in bands)
-            assert len(set(_ranks(planned, name))) == len(bands)
-        per_rank = [0] * 4
-        for name in planned.frames:
-            for r in _ranks(planned, name):
-                per_rank[r] += 1
-        assert per_rank == [2, 2, 2, 2]
+    held = held_bytes_per_patch(QWEN2_VL)
+    for budget, k in ((5 * 10**9, 2), (3 * 10**9, 3)):
+        assert math.ceil(64 * 64 * held / budget) == k
+        for ranks_per_node in (None, 2):
+            planned = _plan(grids, memory_budget=budget, ranks_per_node=ranks_per_node)
+            assert len(planned.frames) == 4
+            for name, indices in planned.frames.items():
+                bands = [planned.units_O[name[0]][i] for i in indices]
+                assert len(bands) == k
+                assert all(unit_rows(b) * held <= budget for b in bands)
+                assert len(set(_ranks(planned, name))) == len(bands)
+            per_rank = [0] * 4
+            for name in planned.frames:
+                for r in _ranks(planned, name):
+                    per_rank[r] += 1
+            assert per_rank == [k] * 4, (budget, ranks_per_node, per_rank)
 
 
 # --- uneven bands that close a gap

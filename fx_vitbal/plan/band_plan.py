@@ -10,7 +10,8 @@ the bookkeeping shared by the ways of placing them (``plan.step``, ``plan.band_n
   bands, binding or not.
 - ``price_cut`` / ``settle``: a cut's kind and prices where its bands sit.
 - ``expand``, ``rebuild``: units with cuts, and the plan of a full assignment.
-- ``spread`` / ``spread_bands``: bands of one frame on one rank moved to ranks without one.
+- ``spread`` / ``spread_bands``: bands of one frame on one rank moved to ranks without one,
+  then levelled (``_level_bands``).
 
 Deterministic: frames in owner and unit order, ties to the lower rank and the fewer bands.
 """
@@ -280,16 +281,45 @@ def spread(slots: list[tuple[list[int], int]], loads: list[float], costs: Sequen
 
 def spread_bands(dest_O, loads: list[float], placed: Placed, cuts) -> bool:
     """Every split frame's bands on ranks of their own (``spread``; ``dest_O[o][i]``: the rank
-    computing unit ``i`` of owner ``o``, owners being ranks; ``loads`` kept up to date);
-    whether any moved. Two bands of a frame on one rank hold twice a band's memory and pay for
-    an exchange that brings them nothing of each other."""
-    moved = False
+    computing unit ``i`` of owner ``o``, owners being ranks; ``loads`` kept up to date), then
+    levelled (``_level_bands``); whether any moved. Two bands of a frame on one rank hold twice
+    a band's memory and pay for an exchange that brings them nothing of each other."""
+    moved, frames = False, []
     for key, cut in cuts.items():
         o, first = placed.names[key]
-        slots = [(dest_O[o], i) for i in range(first, first + len(cut.bands))]
+        frames.append((o, range(first, first + len(cut.bands))))
+        slots = [(dest_O[o], i) for i in frames[-1][1]]
         if len({dest[j] for dest, j in slots}) < len(slots):
             moved |= spread(slots, loads, [placed.costs_O[o][i] for _, i in slots])
+    if moved:
+        _level_bands(frames, dest_O, loads, placed.costs_O)
     return moved
+
+
+def _level_bands(frames, dest_O, loads: list[float], costs_O) -> None:
+    """After ``spread``, which moves each frame's bands without looking back: while a band on
+    the fullest rank can go to the least loaded one, which computes no band of its frame, and
+    lower the fullest's load, the dearest such band goes (four 3-band frames on four ranks,
+    spread one after another, end 4, 3, 3, 2 bands a rank; levelled, 3 each). ``frames``: each
+    split frame's ``(owner, its bands' indexes)``; ties to the first band."""
+    for _ in range(sum(len(bands) for _, bands in frames)):
+        top = max(range(len(loads)), key=loads.__getitem__)
+        low = min(range(len(loads)), key=loads.__getitem__)
+        best = None  # (cost, owner, index)
+        for o, bands in frames:
+            ranks = [dest_O[o][i] for i in bands]
+            if low in ranks:
+                continue
+            for i, r in zip(bands, ranks, strict=True):
+                cost = costs_O[o][i]
+                if r == top and loads[low] + cost < loads[top] and (best is None or cost > best[0]):
+                    best = (cost, o, i)
+        if best is None:
+            return
+        cost, o, i = best
+        loads[top] -= cost
+        loads[low] += cost
+        dest_O[o][i] = low
 
 
 def settle(cuts: dict, placed: Placed, rank_of, rule: BandRule, prices, config) -> dict:
