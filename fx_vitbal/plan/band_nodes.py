@@ -182,7 +182,8 @@ def solve_by_nodes(
     for costs, dests in zip(final.costs_O, dest_O, strict=True):
         for cost, d in zip(costs, dests, strict=True):
             loads[d] += cost
-    if spread_bands(dest_O, loads, final, cuts):  # bands the budget needs, two on a rank
+    spread_by = rpn if rpn < num_ranks else None
+    if spread_bands(dest_O, loads, final, cuts, spread_by):  # budget bands, two on a rank
         cuts = settle(cuts, final, lambda o, i: dest_O[o][i], rule, prices, config)
         reprice(final, costs_O, cuts)
     plan, rows_O = rebuild(final.units_O, final.costs_O, dest_O, config)

@@ -255,19 +255,29 @@ def rebuild(
     return make_plan(candidate, units, True, "applied", config.ranks_per_node), tokens
 
 
-def spread(slots: list[tuple[list[int], int]], loads: list[float], costs: Sequence[float]) -> bool:
+def spread(
+    slots: list[tuple[list[int], int]],
+    loads: list[float],
+    costs: Sequence[float],
+    ranks_per_node: int | None = None,
+) -> bool:
     """Move bands of one frame off ranks computing another band of it, each to the least loaded
-    rank computing none, on ties (``TIE``) the next after it (nearby ranks share a node;
-    frames crowded alike go round, not to one rank); ``slots``: where each band's rank is
-    written (a list and an index), ``costs`` each band's, ``loads`` updated. False when there
-    are fewer ranks than bands."""
+    rank computing none, of its node while the node has one (``ranks_per_node``; None: any
+    rank; a band moved to another node makes its frame pay for crossing nodes), on ties
+    (``TIE``) the next after it (nearby ranks share a node; frames crowded alike go round, not
+    to one rank); ``slots``: where each band's rank is written (a list and an index), ``costs``
+    each band's, ``loads`` updated. False when there are fewer ranks than bands."""
     if len(slots) > len(loads):
         return False
     taken: set[int] = set()
     for (dest, j), cost in zip(slots, costs, strict=True):
         if dest[j] in taken:
             here, n = dest[j], len(loads)
-            free = [r for r in range(n) if r not in taken]
+            free = []
+            if ranks_per_node is not None:
+                start = here - here % ranks_per_node
+                free = [r for r in range(start, min(start + ranks_per_node, n)) if r not in taken]
+            free = free or [r for r in range(n) if r not in taken]
             least = min(loads[r] for r in free)
             # Loads equal but for rounding (a band moved off and another on) tie.
             tied = (r for r in free if loads[r] <= least + abs(least) * TIE)
@@ -279,32 +289,41 @@ def spread(slots: list[tuple[list[int], int]], loads: list[float], costs: Sequen
     return True
 
 
-def spread_bands(dest_O, loads: list[float], placed: Placed, cuts) -> bool:
-    """Every split frame's bands on ranks of their own (``spread``; ``dest_O[o][i]``: the rank
-    computing unit ``i`` of owner ``o``, owners being ranks; ``loads`` kept up to date), then
-    levelled (``_level_bands``); whether any moved. Two bands of a frame on one rank hold twice
-    a band's memory and pay for an exchange that brings them nothing of each other."""
+def spread_bands(
+    dest_O, loads: list[float], placed: Placed, cuts, ranks_per_node: int | None = None
+) -> bool:
+    """Every split frame's bands on ranks of their own (``spread``, in their node where it has
+    room: ``ranks_per_node``; ``dest_O[o][i]``: the rank computing unit ``i`` of owner ``o``,
+    owners being ranks; ``loads`` kept up to date), then levelled (``_level_bands``); whether
+    any moved. Two bands of a frame on one rank hold twice a band's memory and pay for an
+    exchange that brings them nothing of each other."""
     moved, frames = False, []
     for key, cut in cuts.items():
         o, first = placed.names[key]
         frames.append((o, range(first, first + len(cut.bands))))
         slots = [(dest_O[o], i) for i in frames[-1][1]]
         if len({dest[j] for dest, j in slots}) < len(slots):
-            moved |= spread(slots, loads, [placed.costs_O[o][i] for _, i in slots])
+            costs = [placed.costs_O[o][i] for _, i in slots]
+            moved |= spread(slots, loads, costs, ranks_per_node)
     if moved:
-        _level_bands(frames, dest_O, loads, placed.costs_O)
+        _level_bands(frames, dest_O, loads, placed.costs_O, ranks_per_node)
     return moved
 
 
-def _level_bands(frames, dest_O, loads: list[float], costs_O) -> None:
+def _level_bands(frames, dest_O, loads: list[float], costs_O, ranks_per_node=None) -> None:
     """After ``spread``, which moves each frame's bands without looking back: while a band on
-    the fullest rank can go to the least loaded one, which computes no band of its frame, and
-    lower the fullest's load, the dearest such band goes (four 3-band frames on four ranks,
-    spread one after another, end 4, 3, 3, 2 bands a rank; levelled, 3 each). ``frames``: each
-    split frame's ``(owner, its bands' indexes)``; ties to the first band."""
+    the fullest rank can go to the least loaded one (of its node, by nodes), which computes no
+    band of its frame, and lower the fullest's load, the dearest such band goes (four 3-band
+    frames on four ranks, spread one after another, end 4, 3, 3, 2 bands a rank; levelled, 3
+    each). ``frames``: each split frame's ``(owner, its bands' indexes)``; ties to the first
+    band."""
     for _ in range(sum(len(bands) for _, bands in frames)):
         top = max(range(len(loads)), key=loads.__getitem__)
-        low = min(range(len(loads)), key=loads.__getitem__)
+        group = range(len(loads))
+        if ranks_per_node is not None:
+            start = top - top % ranks_per_node
+            group = range(start, min(start + ranks_per_node, len(loads)))
+        low = min(group, key=loads.__getitem__)
         best = None  # (cost, owner, index)
         for o, bands in frames:
             ranks = [dest_O[o][i] for i in bands]
