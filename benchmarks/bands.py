@@ -13,10 +13,12 @@
 2. The smaller steps of the first bands benchmark (same model, same columns).
 3. One image split into k bands: its exchange by kind and the projected speed-up, inside a node
    and across nodes, beside torchtitan's measured Kimi K3 figures (``../shared/notes/bands.md``).
+4. The documents mix with a memory budget (``--budget-gib``, 4 by default): makespan, the most
+   activation memory one unit (a band) and one rank hold, and the planning time.
 
 No timed assertion: the tables are printed.
 
-    python benchmarks/bands.py [--seeds 3] [--ranks-per-node 8] [--repeats 3]
+    python benchmarks/bands.py [--seeds 3] [--ranks-per-node 8] [--repeats 3] [--budget-gib 4]
 """
 
 import argparse
@@ -91,11 +93,13 @@ SMALL = [
 ]
 
 
-def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None, repeats: int) -> dict:
+def plan_step(
+    grids, replicas: int, split: bool, ranks_per_node: int | None, repeats: int, budget=None
+) -> dict:
     """Plan one step as the runtime does (the fastest of ``repeats`` plans timed, the garbage
     collector on and no shape priced before, as in a training step whose images are new); the
-    makespan over the mean and what bands cost."""
-    config = BalanceConfig(split_images=split, ranks_per_node=ranks_per_node)
+    makespan over the mean and what bands cost. ``budget``: ``BalanceConfig.memory_budget``."""
+    config = BalanceConfig(split_images=split, ranks_per_node=ranks_per_node, memory_budget=budget)
     settings = plan_settings(planner_spec_for(config, QWEN2_VL_7B, True, QWEN2_VL_7B_BANDS))
     ranks = len(grids) * replicas
     sets = None
@@ -130,6 +134,7 @@ def plan_step(grids, replicas: int, split: bool, ranks_per_node: int | None, rep
         "inside": inside / 1e9,
         "across": across / 1e9,
         "held": max(rows) * HELD / 2**30,
+        "unit_held": max(unit_rows(u) for units in planned.units_O for u in units) * HELD / 2**30,
         "ms": min(seconds) * 1e3,
     }
 
@@ -167,6 +172,42 @@ def table(rows, seeds: int, ranks_per_node: int, repeats: int) -> None:
         )
 
 
+# (label, ranks, images a rank) of the documents mix planned with a memory budget.
+BUDGETED = [("documents mix, 32 ranks x 2", 32, 2), ("documents mix, 512 ranks x 2", 512, 2)]
+BUDGETED.append(("documents mix, 2048 ranks x 2", 2048, 2))
+
+
+def budget_table(seeds: int, ranks_per_node: int, repeats: int, budget: int) -> None:
+    """The documents mix planned with bands, without and with ``budget`` bytes a frame's band
+    may hold (``cost.memory``: no checkpointing): makespan, the most one unit and one rank
+    hold, bands, planning time."""
+    print(
+        "| step | whole frames | bands | bands, budget | most held by a unit, GiB: bands -> "
+        "budget | most held by a rank, GiB | frames split | most bands a frame | "
+        "planning ms, bands / budget |"
+    )
+    print("|---|---:|---:|---:|---|---|---:|---:|---:|")
+    for label, ranks, per in BUDGETED:
+        runs = {"whole": [], "bands": [], "budget": []}
+        for seed in range(seeds):
+            grids = documents_mix(ranks, per, seed)
+            runs["whole"].append(plan_step(grids, 1, False, ranks_per_node, repeats))
+            runs["bands"].append(plan_step(grids, 1, True, ranks_per_node, repeats))
+            runs["budget"].append(plan_step(grids, 1, True, ranks_per_node, repeats, budget))
+
+        def mean(name, key, runs=runs):
+            return statistics.fmean(run[key] for run in runs[name])
+
+        print(
+            f"| {label} | {mean('whole', 'makespan'):.2f} | {mean('bands', 'makespan'):.3f} | "
+            f"{mean('budget', 'makespan'):.3f} | {mean('bands', 'unit_held'):.1f} -> "
+            f"{mean('budget', 'unit_held'):.1f} | {mean('bands', 'held'):.1f} -> "
+            f"{mean('budget', 'held'):.1f} | {mean('budget', 'frames'):.1f} | "
+            f"{max(run['bands'] for run in runs['budget'])} | "
+            f"{mean('bands', 'ms'):.1f} / {mean('budget', 'ms'):.1f} |"
+        )
+
+
 def projection(patches: int, k: int, across: bool) -> tuple[str, float]:
     """The cheapest exchange of one image of ``patches`` patches in ``k`` even bands, inside a
     node or each band on a node of its own, and the projected speed-up of its forward and
@@ -195,6 +236,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0 to N-1 (means are printed)")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="plans timed a step (fastest)")
+    parser.add_argument(
+        "--budget-gib", type=float, default=4.0, help="the memory budget of table 4 (GiB)"
+    )
     args = parser.parse_args()
     rpn = args.ranks_per_node
     print(f"\n1. At scale: makespan / mean load, whole frames -> bands ({rpn} ranks a node; means")
@@ -219,6 +263,12 @@ def main() -> None:
             measured = TORCHTITAN.get((patches, k))
             got = f"{measured:.2f}x" if measured else ""
             print(f"| {patches:,} | {k} | {cells[0]} | {cells[1]} | {got} |")
+    budget = int(args.budget_gib * 2**30)
+    print(
+        f"\n4. A memory budget of {args.budget_gib:g} GiB a band (``BalanceConfig.memory_budget``; "
+        f"{rpn} ranks a node; means over {args.seeds} seeds):\n"
+    )
+    budget_table(args.seeds, rpn, args.repeats, budget)
 
 
 if __name__ == "__main__":
