@@ -173,8 +173,11 @@ def table(rows, seeds: int, ranks_per_node: int, repeats: int) -> None:
 
 
 # (label, ranks, images a rank) of the documents mix planned with a memory budget.
-BUDGETED = [("documents mix, 32 ranks x 2", 32, 2), ("documents mix, 512 ranks x 2", 512, 2)]
-BUDGETED.append(("documents mix, 2048 ranks x 2", 2048, 2))
+BUDGETED = [
+    ("documents mix, 32 ranks x 2", 32, 2),
+    ("documents mix, 512 ranks x 2", 512, 2),
+    ("documents mix, 2048 ranks x 2", 2048, 2),
+]
 
 
 def budget_table(seeds: int, ranks_per_node: int, repeats: int, budget: int) -> None:

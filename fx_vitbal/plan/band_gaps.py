@@ -14,6 +14,7 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan.band_plan import Cut, nodes_of, price_cut, rebuild
 from fx_vitbal.plan.band_prices import ExchangePrices
 from fx_vitbal.plan.bands import Band
+from fx_vitbal.plan.nodes import node_ranks
 from fx_vitbal.plan.units import Plan, is_band
 
 # Uneven cuts one plan may get (each cuts one frame of the fullest rank, then looks again).
@@ -51,8 +52,7 @@ def find_gap_cut(
     receivers = [min(range(num_ranks), key=loads.__getitem__)]
     rpn = prices.ranks_per_node
     if rpn is not None:  # the least loaded rank of the fullest's node too (NVLink prices)
-        first = fullest - fullest % rpn
-        receivers.append(min(range(first, min(first + rpn, num_ranks)), key=loads.__getitem__))
+        receivers.append(min(node_ranks(fullest, rpn, num_ranks), key=loads.__getitem__))
     frames = [
         (o, i, units_O[o][i])
         for o, i in plan.assignment[fullest]

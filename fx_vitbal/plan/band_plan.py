@@ -25,6 +25,7 @@ from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan.band_prices import ExchangePrices, kinds_for
 from fx_vitbal.plan.bands import Band, BandRule, band_cost
 from fx_vitbal.plan.candidates import candidate_from_dest, make_plan, row_cap
+from fx_vitbal.plan.nodes import node_ranks
 from fx_vitbal.plan.units import Plan, Units, is_band, unit_rows
 
 # Loads within this fraction of each other tie where bands are spread (``spread``).
@@ -275,8 +276,7 @@ def spread(
             here, n = dest[j], len(loads)
             free = []
             if ranks_per_node is not None:
-                start = here - here % ranks_per_node
-                free = [r for r in range(start, min(start + ranks_per_node, n)) if r not in taken]
+                free = [r for r in node_ranks(here, ranks_per_node, n) if r not in taken]
             free = free or [r for r in range(n) if r not in taken]
             least = min(loads[r] for r in free)
             # Loads equal but for rounding (a band moved off and another on) tie.
@@ -321,8 +321,7 @@ def _level_bands(frames, dest_O, loads: list[float], costs_O, ranks_per_node=Non
         top = max(range(len(loads)), key=loads.__getitem__)
         group = range(len(loads))
         if ranks_per_node is not None:
-            start = top - top % ranks_per_node
-            group = range(start, min(start + ranks_per_node, len(loads)))
+            group = node_ranks(top, ranks_per_node, len(loads))
         low = min(group, key=loads.__getitem__)
         best = None  # (cost, owner, index)
         for o, bands in frames:

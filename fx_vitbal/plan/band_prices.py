@@ -198,8 +198,7 @@ class ExchangePrices:
         kv = self.rule.kv_bytes_per_patch / u
         exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * rows / u)
         steps = len(sizes) // u - 1
-        groups = [sum(sizes[j : j + u]) for j in range(0, len(sizes), u)]
-        patches = received_patches(groups, g, "ring", sum(sizes))
+        patches = received_patches(_group_rows(sizes, u), g, "ring", sum(sizes))
         return heads + 2 * steps * link.latency + patches * exposed
 
     def frame_prices(
@@ -340,10 +339,14 @@ def band_receives(
             forward, backward = ULYSSES_QKV * m + ULYSSES_OUT * n, ULYSSES_OUT * m + ULYSSES_QKV * n
             pieces.append((j, kv * (forward + backward) / u))
     if kind == "usp" and k > u:
-        groups = [sum(sizes[j : j + u]) for j in range(0, k, u)]
-        patches = received_patches(groups, g, "ring", sum(sizes))
+        patches = received_patches(_group_rows(sizes, u), g, "ring", sum(sizes))
         pieces.append((((g - 1) % (k // u)) * u + place, kv / u * patches))
     return pieces
+
+
+def _group_rows(sizes: Sequence[int], u: int) -> list[int]:
+    """The patches of each group of ``u`` consecutive bands (``usp``'s ring runs over these)."""
+    return [sum(sizes[j : j + u]) for j in range(0, len(sizes), u)]
 
 
 def received_patches(sizes: Sequence[int], i: int, kind: str, total: int) -> int:

@@ -54,6 +54,12 @@ from fx_vitbal.plan.units import Units
 INTER_NODE_WEIGHT = 8.0
 
 
+def node_ranks(rank: int, ranks_per_node: int, num_ranks: int) -> range:
+    """The ranks on ``rank``'s node (the last node may have fewer)."""
+    first = rank - rank % ranks_per_node
+    return range(first, min(first + ranks_per_node, num_ranks))
+
+
 def traffic(candidate: Candidate, units: Units, ranks_per_node: int) -> float:
     """What ``solve_plan`` minimizes among plans within the makespan slack: rows moved, an
     inter-node row weighing ``INTER_NODE_WEIGHT`` intra-node ones."""
@@ -288,8 +294,7 @@ def _repair_steps(
     for u in held[hi]:
         # Plain moves: the least loaded rank of u's home node, and of all (their inter-node rows
         # are all any move can add or save).
-        first = src[u] // ranks_per_node * ranks_per_node
-        home = min(range(first, min(len(loads), first + ranks_per_node)), key=loads.__getitem__)
+        home = min(node_ranks(src[u], ranks_per_node, len(loads)), key=loads.__getitem__)
         for x in (home,) if home == least else (home, least):
             if loads[x] + cost[u] <= accept:
                 out.append((u, x, -1))
