@@ -127,9 +127,13 @@ class BalanceConfig:
     (``Bands.gather``) always gathers."""
 
     memory_budget: int | None = None
-    """Bytes of activations one rank may hold for one frame in the ViT (``None``: no budget):
-    a frame whose held bytes (``BandRule.held_bytes_per_patch`` per patch) exceed it is cut
-    into as many bands as it needs to fit, whether or not it binds the step."""
+    """Bytes of ViT activations one rank may hold in a call (``None``: no budget), counted by
+    ``fx_vitbal.cost.memory`` (bf16, no checkpointing) from the tower's dimensions: a frame
+    holding more is cut into as many bands as it needs to fit, whether or not it binds the
+    step, and no rank computes more patches than fit (a row cap beside ``max_len_ratio``'s,
+    kept even where balancing gains nothing; a frame that cannot be cut may exceed it alone).
+    Where no plan found keeps it, the plan says so (``Plan.cap_respected``, the verbose line).
+    Needs the held bytes: a tower that runs bands, or the architecture cost model."""
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -297,7 +301,7 @@ _FLAGS = (
     _flag(
         "--dp-balance-memory-budget-vit",
         "memory_budget",
-        "bytes of ViT activations one rank may hold for one frame; a frame above it is split",
+        "bytes of ViT activations one rank may hold; frames above it are split, ranks capped",
         "none",
         type=int,
         metavar="BYTES",

@@ -24,7 +24,7 @@ from fx_vitbal.plan.band_prices import (
     usp_degree,
 )
 from fx_vitbal.plan.bands import MACS_PER_SECOND, TRAINING_MACS_PER_FORWARD_MAC, BandRule
-from fx_vitbal.plan.step import plan_step
+from fx_vitbal.plan.step import describe_plan, plan_step
 from fx_vitbal.plan.units import is_band, unit_rows
 from fx_vitbal.runtime.vit.settings import plan_settings, planner_spec_for
 
@@ -454,6 +454,73 @@ def test_bands_a_budget_needs_stay_on_their_frames_node_and_the_ranks_level():
     assert planned.plan.imbalance_after < 0.1
 
 
+def _rows(planned) -> list[int]:
+    """The pixel rows (patches) each rank computes in ``planned``."""
+    return [
+        sum(unit_rows(planned.units_R[o][i]) for o, i in assigned)
+        for assigned in planned.plan.assignment
+    ]
+
+
+def test_a_memory_budget_bounds_what_each_rank_holds_bands_and_whole_frames_together():
+    """Rank 1 holds three frames (68x72, 72x6 and 94x80 patches), the other three ranks none,
+    and each rank may hold 4,818 patches of activations (10.3 GB): both large frames exceed it
+    and are cut, and every rank ends within it, its bands and whole frames together (a budget
+    that bounded each band alone left a rank with bands of both frames, 4,848 patches), by
+    nodes of two ranks and node-blind."""
+    held = held_bytes_per_patch(QWEN2_VL)
+    grids = [[], [[1, 68, 72], [1, 72, 6], [1, 94, 80]], [], []]
+    for ranks_per_node in (None, 2):
+        planned = _plan(grids, memory_budget=4818 * held, ranks_per_node=ranks_per_node)
+        assert len(planned.frames) == 2
+        assert max(_rows(planned)) <= 4818, (ranks_per_node, _rows(planned))
+        assert planned.plan.cap_respected
+        assert "above the row cap" not in describe_plan(planned, 0)
+
+
+def test_a_memory_budget_the_layout_breaks_is_kept_though_balancing_gains_nothing():
+    """A 60x60 frame on rank 0 binds the step alone and nine 20x20 frames sit on rank 1 (3,600
+    patches each rank, two ranks with one 10x10 frame): no plan of whole frames lowers the
+    makespan, so none was applied; with 2,500 patches a rank, rank 1 gives frames away anyway
+    and the lone frame alone may exceed it (the cap's exception), or is cut where bands run."""
+    held = held_bytes_per_patch(QWEN2_VL)
+    grids = [[[1, 60, 60]], [[1, 20, 20]] * 9, [[1, 10, 10]], [[1, 10, 10]]]
+    assert not _plan(grids, split_images=False).plan.applied
+    whole = _plan(grids, memory_budget=2500 * held, split_images=False)
+    assert whole.plan.applied and whole.plan.cap_respected
+    assert _rows(whole)[0] == 3600 and max(_rows(whole)[1:]) <= 2500
+    cut = _plan(grids, memory_budget=2500 * held)
+    assert len(cut.frames) == 1 and max(_rows(cut)) <= 2500
+
+
+def test_a_budget_no_plan_keeps_is_reported_and_every_frame_still_computed_once():
+    """Two 64x64 frames on two ranks, 3,000 patches a rank: each frame is cut into two bands
+    that fit, but the ranks hold 8,192 patches between them; the plan says it breaks the cap
+    (``Plan.cap_respected``, the verbose line) and still computes every row once."""
+    held = held_bytes_per_patch(QWEN2_VL)
+    planned = _plan([[[1, 64, 64]], [[1, 64, 64]]], memory_budget=3000 * held)
+    assert len(planned.frames) == 2
+    assert sorted(_rows(planned)) == [4096, 4096]
+    assert not planned.plan.cap_respected
+    assert "above the row cap (max_len_ratio or memory budget)" in describe_plan(planned, 0)
+
+
+def test_bands_keep_the_row_cap():
+    """Four ranks as two nodes of two, ``max_len_ratio=1.1`` (3,174 rows a rank): a 68x80
+    frame is cut into bands, poured by cost, which counts no rows, and the plan ended with a
+    rank at 3,212 rows; units moved off it keep the cap."""
+    grids = [
+        [[1, 26, 2], [1, 68, 80], [1, 54, 10]],
+        [[1, 30, 30]],
+        [[1, 50, 62], [1, 2, 56], [1, 28, 50]],
+        [],
+    ]
+    planned = _plan(grids, max_len_ratio=1.1, ranks_per_node=2)
+    assert planned.frames
+    assert max(_rows(planned)) <= 3174
+    assert planned.plan.cap_respected
+
+
 # --- uneven bands that close a gap
 
 
@@ -542,6 +609,12 @@ def test_every_plan_cuts_frames_into_aligned_bands_covering_them_once_and_alike(
             assert kind == (exchange if exchange != "ulysses" or divides else "ring")
         elif kind == "ulysses":
             assert heads and heads % len(ranks) == 0
+    cap = max(sum(t * h * w for t, h, w in grid) for grid in grids)  # the default row cap
+    if budget is not None:
+        cap = min(cap, budget // held_bytes_per_patch(QWEN2_VL))
+    counts = [len(assigned) for assigned in planned.plan.assignment]
+    keeps = all(n <= cap or c <= 1 for n, c in zip(_rows(planned), counts, strict=True))
+    assert planned.plan.cap_respected == keeps  # what the plan says of the cap is true
     if budget is not None:  # each band within it, or as many bands as ranks and rows allow
         held = held_bytes_per_patch(QWEN2_VL)
         for name, indices in planned.frames.items():

@@ -31,6 +31,8 @@ fetches the other bands' keys and values again in the backward: ``runtime/bands/
 [Note: what autograd keeps]).
 """
 
+import math
+
 from fx_vitbal.cost.static import ArchitectureCost
 
 BYTES_PER_VALUE = 2  # bf16, what training runs in
@@ -60,3 +62,9 @@ def held_bytes_per_patch_of_width(width: int, layers: int) -> int:
     MLP ``MLP_RATIO`` (4) times as wide, not gated."""
     per_layer = HIDDEN_VALUES * width + MLP_VALUES * MLP_RATIO * width
     return BYTES_PER_VALUE * layers * per_layer
+
+
+def rows_within(budget: int | None, held_per_patch: int) -> float:
+    """The most patches (pixel rows) whose activations fit in ``budget`` bytes at
+    ``held_per_patch`` bytes each; ``math.inf`` without a budget or a count of held bytes."""
+    return math.inf if budget is None or not held_per_patch else budget // held_per_patch

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from fx_vitbal.config import BalanceConfig
+from fx_vitbal.plan.band_caps import owners_row_cap
 from fx_vitbal.plan.band_plan import Cut, nodes_of, price_cut, rebuild
 from fx_vitbal.plan.band_prices import ExchangePrices
 from fx_vitbal.plan.bands import Band
@@ -110,13 +111,15 @@ def close_gaps(
     exchanges: dict[tuple[int, int], str],
     prices: ExchangePrices,
     config: BalanceConfig,
+    max_rows: float = math.inf,
 ) -> tuple[Plan, list[list[tuple]], list[list[int]]] | None:
     """``(plan, units, rows)`` after up to ``MAX_GAP_CUTS`` uneven cuts (``find_gap_cut``;
     owners being ranks), or None when none pays; ``exchanges`` (by frame name) takes their
-    kinds, the names after a cut moved along."""
+    kinds, the names after a cut moved along. ``max_rows``: a memory budget's rows
+    (``solve_plan``'s), a cap beside ``max_len_ratio``'s that a cut keeps."""
     units_O, costs_O = [list(u) for u in units_O], [list(c) for c in costs_O]
     tokens = [list(rows) for rows in rows_O]
-    cap = _row_cap(tokens, config.max_len_ratio)
+    cap = owners_row_cap(tokens, config.max_len_ratio, max_rows)
     changed, dest_O = False, None
     for _ in range(MAX_GAP_CUTS):
         found = find_gap_cut(plan, units_O, costs_O, tokens, cap, prices, config)
@@ -131,15 +134,6 @@ def close_gaps(
         for name in sorted((n for n in exchanges if n[0] == o and n[1] > i), reverse=True):
             exchanges[(o, name[1] + 1)] = exchanges.pop(name)
         exchanges[(o, i)] = cut.kind
-        plan, tokens = rebuild(units_O, costs_O, dest_O, config)
+        plan, tokens = rebuild(units_O, costs_O, dest_O, config, max_rows)
         changed = True
     return (plan, units_O, tokens) if changed else None
-
-
-def _row_cap(rows_O: Sequence[Sequence[int]], ratio: float | None) -> float:
-    """``candidates.row_cap`` of owners' rows (owners being ranks), without a ``Units``."""
-    if ratio is None:
-        return max(map(sum, rows_O))
-    if ratio == math.inf:
-        return math.inf
-    return math.floor(sum(map(sum, rows_O)) / len(rows_O) * ratio)

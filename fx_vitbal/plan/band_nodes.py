@@ -28,6 +28,8 @@ import functools
 import math
 
 from fx_vitbal.config import BalanceConfig
+from fx_vitbal.cost.memory import rows_within
+from fx_vitbal.plan.band_caps import keep_row_cap, owners_row_cap
 from fx_vitbal.plan.band_fill import fill_ranks, held_by_ranks, most_blocks
 from fx_vitbal.plan.band_plan import (
     Cut,
@@ -74,6 +76,7 @@ def solve_by_nodes(
     num_ranks = len(units_O)
     rpn = config.ranks_per_node if by_nodes(config.ranks_per_node, num_ranks) else num_ranks
     mean = sum(map(sum, costs_O)) / num_ranks
+    max_rows = rows_within(config.memory_budget, held_per_patch)
     blind = dataclasses.replace(config, ranks_per_node=None)
     # Nothing below the node level evens out what it leaves between nodes: it refines to a
     # finer tolerance, and a node's rows are its ranks' business (each rank's, in its node).
@@ -120,6 +123,7 @@ def solve_by_nodes(
             node_costs,
             [[sum(unit_rows(first.units_O[r][j]) for r, j in item) for item in i] for i in items],
             config=nodes_config,
+            max_rows=max_rows * rpn,  # a node's ranks' rows
         )
         assigned = [
             [ref for src, j in node_plan.assignment[n] for ref in items[src][j]]
@@ -145,6 +149,7 @@ def solve_by_nodes(
             [[entry[4] for entry in unit] for unit in units],
             config=blind,
             exchange_seconds=exchange_seconds,
+            max_rows=max_rows,
         )
         filled = [([sub.destinations(k) for k in range(len(units))], [], 0.0, 0.0, units, [])]
     else:  # by node: whole units first, then frames poured up to each node's level
@@ -183,10 +188,14 @@ def solve_by_nodes(
         for cost, d in zip(costs, dests, strict=True):
             loads[d] += cost
     spread_by = rpn if rpn < num_ranks else None
-    if spread_bands(dest_O, loads, final, cuts, spread_by):  # budget bands, two on a rank
+    moved = spread_bands(dest_O, loads, final, cuts, spread_by)  # budget bands, two on a rank
+    cap = owners_row_cap(
+        [[unit_rows(u) for u in units] for units in units_O], config.max_len_ratio, max_rows
+    )
+    if keep_row_cap(dest_O, loads, final, cuts, cap, rule, spread_by) or moved:
         cuts = settle(cuts, final, lambda o, i: dest_O[o][i], rule, prices, config)
         reprice(final, costs_O, cuts)
-    plan, rows_O = rebuild(final.units_O, final.costs_O, dest_O, config)
+    plan, rows_O = rebuild(final.units_O, final.costs_O, dest_O, config, max_rows)
     return plan, final, cuts, rows_O
 
 

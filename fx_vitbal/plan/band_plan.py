@@ -245,12 +245,14 @@ def rebuild(
     costs_O: list[list[float]],
     dest_O: list[list[int]],
     config: BalanceConfig,
+    max_rows: float = math.inf,
 ) -> tuple[Plan, list[list[int]]]:
     """The ``Plan`` of a full assignment (``dest_O[o][i]``: the rank computing unit ``i`` of
-    owner ``o``, owners being ranks), and each owner's rows."""
+    owner ``o``, owners being ranks), and each owner's rows; ``cap_respected`` as ``solve_plan``
+    with ``max_rows`` says it."""
     tokens = [[unit_rows(u) for u in units] for units in units_O]
     units = Units(costs_O, tokens)
-    cap = row_cap(units, config.max_len_ratio)
+    cap = row_cap(units, config.max_len_ratio, max_rows)
     dest = [d for ds in dest_O for d in ds]
     candidate = candidate_from_dest(dest, units, cap)
     return make_plan(candidate, units, True, "applied", config.ranks_per_node), tokens

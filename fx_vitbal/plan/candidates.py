@@ -30,17 +30,20 @@ from fx_vitbal.plan.units import (
 )
 
 
-def row_cap(units: Units, ratio: float | None) -> float:
-    """The most pixel rows a rank may compute (``config.max_len_ratio``); ``math.inf``: no cap.
+def row_cap(units: Units, ratio: float | None, max_rows: float = math.inf) -> float:
+    """The most pixel rows a rank may compute (``config.max_len_ratio``), and at most
+    ``max_rows`` (a memory budget's: ``plan.step.PlanSettings.max_rows``); ``math.inf``: no cap.
 
     ``None`` caps at the fullest rank's current rows: the layout the job already fits in. Rows
     are integers, so flooring ``mean * ratio`` changes no comparison and keeps row room exact.
     """
     if ratio is None:
-        return max(units.home_rows) if units.small else int(units.home_rows_R.max())
-    if ratio == math.inf:
-        return math.inf
-    return math.floor(units.total_tokens / units.num_ranks * ratio)
+        cap = max(units.home_rows) if units.small else int(units.home_rows_R.max())
+    elif ratio == math.inf:
+        cap = math.inf
+    else:
+        cap = math.floor(units.total_tokens / units.num_ranks * ratio)
+    return min(cap, max_rows)
 
 
 def cap_unkeepable(units: Units, cap: float) -> bool:

@@ -11,6 +11,7 @@ of rows moved is an upper bound of the pixels that travel.
 Deterministic like every plan: the same gathered grids give the same holders on every rank.
 """
 
+import math
 from collections.abc import Callable, Sequence
 
 from fx_vitbal.config import BalanceConfig
@@ -39,6 +40,7 @@ def solve_for_sets(
     *,
     config: BalanceConfig | None = None,
     exchange_seconds: Callable[[list[int], list[int]], float] | None = None,
+    max_rows: float = math.inf,
 ) -> tuple[Plan, list[list[int]]]:
     """One plan over every rank of every set, each unit computed once.
 
@@ -46,7 +48,7 @@ def solve_for_sets(
         set_costs, set_tokens: ``[s][i]``: cost and pixel rows of unit ``i`` of set ``s``.
         sets: ``sets[s]``: the ranks of set ``s``, ascending; together they are ranks
             ``0 .. N-1``, each once.
-        config, exchange_seconds: as ``solve_plan`` takes them.
+        config, exchange_seconds, max_rows: as ``solve_plan`` takes them.
 
     Returns:
         ``(plan, held)``: ``plan`` is ``solve_plan``'s over the holdings, and ``held[r]`` the
@@ -58,7 +60,9 @@ def solve_for_sets(
         for i, j in enumerate(holders(costs, len(ranks))):
             held[ranks[j]].append(i)
     costs_R, tokens_R = as_held(set_costs, sets, held), as_held(set_tokens, sets, held)
-    plan = solve_plan(costs_R, tokens_R, config=config, exchange_seconds=exchange_seconds)
+    plan = solve_plan(
+        costs_R, tokens_R, config=config, exchange_seconds=exchange_seconds, max_rows=max_rows
+    )
     return plan, held
 
 

@@ -1,6 +1,7 @@
 """``solve_plan``: the candidates each strategy offers and the choice among them (see the package
 docstring for the strategies)."""
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,6 +36,7 @@ def solve_plan(
     config: BalanceConfig | None = None,
     history: Sequence[float] | None = None,
     exchange_seconds: Callable[[list[int], list[int]], float] | None = None,
+    max_rows: float = math.inf,
 ) -> Plan:
     """Compute the same balanced assignment of units to ranks on every rank.
 
@@ -50,6 +52,9 @@ def solve_plan(
             predicted makespan + exchange wins, and it is applied only when the makespan it
             saves beats its exchange (``worth_moving``; reason ``exchange`` otherwise), in
             place of ``MAKESPAN_SLACK`` and ``min_gain``. None: those FLOP-era rules.
+        max_rows: the most pixel rows a rank may compute, whatever ``config.max_len_ratio``
+            allows: a memory budget's rows (``plan.step.PlanSettings.max_rows``), a cap like
+            the ratio's (kept unless no plan keeps it; a unit alone may exceed it).
 
     Returns:
         A ``Plan``; when ``applied`` is False the assignment is the identity.
@@ -63,17 +68,17 @@ def solve_plan(
     # make none (``Units.small``), so they skip the question (it costs several us).
     if not is_small(sum(map(len, costs))) and torch.get_default_device().type != "cpu":
         with torch.device("cpu"):
-            return _solve(costs, tokens, config, history, exchange_seconds)
-    return _solve(costs, tokens, config, history, exchange_seconds)
+            return _solve(costs, tokens, config, history, exchange_seconds, max_rows)
+    return _solve(costs, tokens, config, history, exchange_seconds, max_rows)
 
 
-def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> Plan:
+def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds, max_rows) -> Plan:
     units = Units(costs, tokens, history)
     num_ranks = units.num_ranks
     ranks_per_node = config.ranks_per_node
     # Node-aware planning needs two nodes or more; 1 rank per node leaves no move inside a node.
     node_aware = ranks_per_node is not None and 1 < ranks_per_node < num_ranks
-    cap = row_cap(units, config.max_len_ratio)
+    cap = row_cap(units, config.max_len_ratio, max_rows)
     home_keeps_cap = units.keeps_cap_at_home(cap)
 
     def skip(reason: str) -> Plan:
@@ -84,15 +89,21 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
         return skip("single-rank")
     if not units.num_units or units.total_before == 0:
         return skip("empty")
-    if units.imbalance_before < config.trigger_threshold:
+    # A memory budget the current layout breaks is kept whether or not balancing pays: the
+    # layout may not fit (only the budget's rows: ``max_len_ratio`` caps what balancing does).
+    over_budget = max_rows != math.inf and not units.keeps_cap_at_home(max_rows)
+    if units.imbalance_before < config.trigger_threshold and not over_budget:
         return skip("balanced")
-    if config.skip_rule == "seed" and units.largest_float_cost > units.total_before / num_ranks:
+    dominant = units.largest_float_cost > units.total_before / num_ranks
+    if config.skip_rule == "seed" and dominant and not over_budget:
         return skip("dominant-unit")
 
     def apply(best: Candidate) -> Plan:
         if not best.cap_respected and home_keeps_cap:
             return skip("cap")
         plan = make_plan(best, units, True, "applied", ranks_per_node)
+        if over_budget and best.cap_respected:
+            return plan
         if max(plan.loads_after) >= units.max_before * (1.0 - config.min_gain):
             return skip("no-gain")
         return plan
@@ -178,6 +189,8 @@ def _solve(costs, tokens, config: BalanceConfig, history, exchange_seconds) -> P
         if not best.cap_respected and home_keeps_cap:
             return skip("cap")
         plan = make_plan(best, units, True, "applied", ranks_per_node)
+        if over_budget and best.cap_respected:
+            return plan
         if not worth_moving(units.max_before, max(plan.loads_after), cost):
             return skip("exchange")
         return plan

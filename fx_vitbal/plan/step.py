@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from fx_vitbal.config import BalanceConfig
+from fx_vitbal.cost.memory import held_bytes_per_patch, rows_within
 from fx_vitbal.cost.static import ArchitectureCost, CostModel, OnlineCost
 from fx_vitbal.plan.band_gaps import close_gaps
 from fx_vitbal.plan.band_nodes import by_nodes, cross_cuts, solve_by_nodes, solve_sets
@@ -80,15 +81,23 @@ class PlanSettings:
     @property
     def held_bytes_per_patch(self) -> int:
         """Activation bytes a patch holds through the tower (``cost.memory``), from the
-        architecture where the cost model knows it, else from the band rule; 0 without one."""
-        if self.band_rule is None:
-            return 0
+        architecture where the cost model knows it, else from the band rule; 0 without
+        either (nothing to weigh a memory budget with)."""
         architecture = self.cost_model
         if isinstance(architecture, OnlineCost):
             architecture = architecture.prior
         if not isinstance(architecture, ArchitectureCost):
             architecture = None
-        return self.band_rule.held_bytes_per_patch(architecture)
+        if self.band_rule is not None:
+            return self.band_rule.held_bytes_per_patch(architecture)
+        return held_bytes_per_patch(architecture) if architecture is not None else 0
+
+    @property
+    def max_rows(self) -> float:
+        """The most pixel rows (patches) a rank may compute within ``memory_budget``: a row cap
+        beside ``max_len_ratio``'s (``solve_plan``'s ``max_rows``); ``math.inf`` without a
+        budget or a count of held bytes."""
+        return rows_within(self.config.memory_budget, self.held_bytes_per_patch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,10 +214,13 @@ def _solve(units_O, costs_O, settings: PlanSettings, sets) -> StepPlan:
     tokens = [[unit_rows(u) for u in units] for units in units_O]
     config, seconds = settings.config, settings.exchange_seconds
     frames = _split_frames(units_O)
+    rows = settings.max_rows
     if sets is None:
-        plan = solve_plan(costs_O, tokens, config=config, exchange_seconds=seconds)
+        plan = solve_plan(costs_O, tokens, config=config, exchange_seconds=seconds, max_rows=rows)
         return StepPlan(plan, units_O, units_O, rows_O=tokens, frames=frames)
-    plan, held = solve_for_sets(costs_O, tokens, sets, config=config, exchange_seconds=seconds)
+    plan, held = solve_for_sets(
+        costs_O, tokens, sets, config=config, exchange_seconds=seconds, max_rows=rows
+    )
     deduplicated = sum(  # each set's rows, once instead of once per replica
         (len(ranks) - 1) * sum(tokens_S) for ranks, tokens_S in zip(sets, tokens, strict=True)
     )
@@ -280,9 +292,13 @@ def solve_with_bands(
         span = _makespan(placed[0].plan)
         largest = max((c for costs in costs_O for c in costs), default=0.0)
         bound = max(sum(map(sum, costs_O)) / num_ranks, largest)  # no whole plan ends below
-        if span >= bound * (1.0 - config.min_gain):
+        # Bands that break the row cap where whole units keep it are worth nothing (a budget's
+        # bands are kept: whole, their frames break it more).
+        breaks_cap = not placed[0].plan.cap_respected
+        if breaks_cap or span >= bound * (1.0 - config.min_gain):
             whole = solve(units_O, costs_O)
-            if span >= _makespan(whole.plan) * (1.0 - config.min_gain):
+            worse = breaks_cap and whole.plan.cap_respected
+            if worse or span >= _makespan(whole.plan) * (1.0 - config.min_gain):
                 required = any(cut.required for cut in cuts.values())
                 placed = with_bands(cuts, only_required=True) if required else None
     if placed is None:
@@ -291,7 +307,9 @@ def solve_with_bands(
         planned, units, costs, exchanges = placed
     worth_a_look = planned.plan.applied or planned.plan.reason == "no-gain"
     if sets is None and prices is not None and worth_a_look:
-        closed = close_gaps(planned.plan, units, costs, planned.rows_O, exchanges, prices, config)
+        closed = close_gaps(
+            planned.plan, units, costs, planned.rows_O, exchanges, prices, config, settings.max_rows
+        )
         if closed is not None:
             plan, units, rows_O = closed
             planned = StepPlan(plan, units, units, rows_O=rows_O, frames=_split_frames(units))
@@ -344,8 +362,9 @@ KEPT_BECAUSE = {
 def describe_plan(step_plan: StepPlan, step: int) -> str:
     """The ``--dp-balance-verbose`` line of call ``step`` (``BalanceStats.step``): whether the
     plan moved work or kept every unit home and why (``Plan.reason`` as ``reason=``), rows
-    moved, imbalance and the heaviest and lightest rank's load relative to the mean; then the
-    frames split into bands, and the rows replica sets no longer compute twice."""
+    moved, imbalance and the heaviest and lightest rank's load relative to the mean, and
+    whether the plan breaks the row cap (no plan found keeps it); then the frames split into
+    bands, and the rows replica sets no longer compute twice."""
     plan = step_plan.plan
     total = sum(unit_rows(u) for units in step_plan.units_R for u in units)
     if plan.applied:
@@ -362,6 +381,8 @@ def describe_plan(step_plan: StepPlan, step: int) -> str:
         if plan.applied:
             after = f"max {max(plan.loads_after) / mean:.2f} min {min(plan.loads_after) / mean:.2f}"
             line += f" -> {plan.imbalance_after:.3f}, load/mean {before} -> {after}"
+            if not plan.cap_respected:
+                line += ", above the row cap (max_len_ratio or memory budget): none found keeps it"
         else:
             line += f", load/mean {before}"
     if step_plan.frames:
