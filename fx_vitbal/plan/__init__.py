@@ -9,8 +9,8 @@ one), ``shed`` (which units overloaded ranks shed), ``greedy`` (LPT and the refi
 same batch, reduced to one ``solve_plan`` over holdings, ``solve_for_sets``); then the bands of
 frames split across ranks: ``bands`` (the rule), ``band_prices`` (their exchanges, by kind and
 place), ``band_plan`` (which frames are cut and how), ``band_fill`` and ``band_nodes`` (bands on
-a cluster of nodes), ``band_gaps`` (uneven cuts); and ``step``, the planning step of one call
-over all of them (``plan_step``).
+a cluster of nodes), ``band_gaps`` (uneven cuts), ``band_caps`` (the row cap kept with bands);
+and ``step``, the planning step of one call over all of them (``plan_step``).
 
 Deterministic: every rank runs ``solve_plan`` on the same gathered input and must get the same
 answer. Decisions are made on integer fixed-point costs, whose sums are exact in any order (so

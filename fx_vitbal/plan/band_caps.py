@@ -5,15 +5,16 @@ those counts rows, so a rank can end above the cap where whole units would not: 
 mix on 512 ranks of 8 a node at ``max_len_ratio=1.3``, one image a rank, ended with a rank at
 1.07x the cap. ``keep_row_cap`` then moves units off each rank above it, fullest first: the
 cheapest unit whose rows bring the rank within the cap (else the one with the most rows, and
-again), each to the least loaded rank it fits on, of its node while the node has one (a band
-never to a rank computing another band of its frame). Where no unit fits anywhere, whole
-``align`` rows of one of the rank's bands go to the band next to it in its frame, when that
-band's rank has room (bands cut evenly for cost can leave two bands of 2,400 and 2,448 rows
-on a rank capped at 4,818 while their frames' other bands sit on ranks with room: no whole
-band fits there, 160 rows do). A rank holding one unit keeps it (the cap's exception: a unit
-alone; a memory budget cuts frames above it into bands first). Where neither fits, the cap
-stays broken, and the plan says so (``Plan.cap_respected``). Deterministic: ranks and units in
-order, ties to the lower index.
+again), each to the least loaded rank of its node it fits on (a band never to a rank computing
+another band of its frame). Where no unit fits in the node, whole ``align`` rows of one of the
+rank's bands go to the band next to it in its frame, when that band's rank has room (bands cut
+evenly for cost can leave two bands of 2,400 and 2,448 rows on a rank capped at 4,818 while
+their frames' other bands sit on ranks with room: no whole band fits there, 160 rows do); else
+a unit goes to another node, whole units first (a band there makes its frame pay for crossing
+nodes: what a tight budget costs, ``docs/benchmarks.md``). A rank holding one unit keeps it
+(the cap's exception: a unit alone; a memory budget cuts frames above it into bands first).
+Where nothing fits, the cap stays broken, and the plan says so (``Plan.cap_respected``).
+Deterministic: ranks and units in order, ties to the lower index.
 """
 
 import math
@@ -71,19 +72,22 @@ def keep_row_cap(
     moved = False
     for r in sorted(over, key=lambda r: (-rows[r], r)):
         while rows[r] > cap and len(held[r]) > 1:
-            move = _move_off(
-                r, rows, held, loads, placed, frame_of, bands_on, open_ranks, cap, ranks_per_node
-            )
+            node = node_ranks(r, ranks_per_node, num_ranks) if ranks_per_node else None
+            args = (r, rows, held, loads, placed, frame_of, bands_on, open_ranks, cap)
+            move = _move_off(*args, node)
             if move is None:
                 shifted = _shift_rows(
                     r, rows, held, loads, dest_O, placed, cuts, frame_of, cap, rule
                 )
-                if shifted is None:
-                    break
-                if rows[shifted] >= cap and shifted in open_ranks:
-                    open_ranks.remove(shifted)
-                moved = True
-                continue
+                if shifted is not None:
+                    if rows[shifted] >= cap and shifted in open_ranks:
+                        open_ranks.remove(shifted)
+                    moved = True
+                    continue
+                if node is not None:  # across nodes a band makes its frame pay for crossing
+                    move = _move_off(*args, None, whole=True) or _move_off(*args, None)
+            if move is None:
+                break
             (o, i), target = move
             n, cost = unit_rows(placed.units_O[o][i]), placed.costs_O[o][i]
             held[r].remove((o, i))
@@ -106,25 +110,26 @@ def keep_row_cap(
     return moved
 
 
-def _move_off(r, rows, held, loads, placed, frame_of, bands_on, open_ranks, cap, ranks_per_node):
+def _move_off(r, rows, held, loads, placed, frame_of, bands_on, open_ranks, cap, node, whole=False):
     """``((owner, index), rank)``: the unit rank ``r`` sheds and where it goes, as the module
-    doc says; None where no unit of ``r`` fits on any rank."""
+    doc says, among the ranks of ``node`` (None: any; ``whole``: no band); None where no unit
+    of ``r`` fits."""
     excess = rows[r] - cap
     units = [(placed.costs_O[o][i], unit_rows(placed.units_O[o][i]), (o, i)) for o, i in held[r]]
     enough = sorted(unit for unit in units if unit[1] >= excess)
     short = sorted((unit for unit in units if unit[1] < excess), key=lambda u: (-u[1], u[0], u[2]))
-    node = set(node_ranks(r, ranks_per_node, len(loads))) if ranks_per_node else None
+    targets = open_ranks if node is None else sorted(set(node) & set(open_ranks))
     for _, n, key in [*enough, *short]:
         frame = frame_of.get(key)
+        if whole and frame is not None:
+            continue
         fits = [
             t
-            for t in open_ranks
+            for t in targets
             if t != r
             and (rows[t] + n <= cap or not held[t])
             and (frame is None or not bands_on[frame][t])
         ]
-        if node is not None:
-            fits = [t for t in fits if t in node] or fits
         if fits:
             return key, min(fits, key=lambda t: (loads[t], t))
     return None
