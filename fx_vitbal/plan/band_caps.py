@@ -71,9 +71,9 @@ def keep_row_cap(
     open_ranks = [r for r in range(num_ranks) if rows[r] < cap or not held[r]]
     moved = False
     for r in sorted(over, key=lambda r: (-rows[r], r)):
+        node = node_ranks(r, ranks_per_node, num_ranks) if ranks_per_node else None
+        args = (r, rows, held, loads, placed, frame_of, bands_on, open_ranks, cap)
         while rows[r] > cap and len(held[r]) > 1:
-            node = node_ranks(r, ranks_per_node, num_ranks) if ranks_per_node else None
-            args = (r, rows, held, loads, placed, frame_of, bands_on, open_ranks, cap)
             move = _move_off(*args, node)
             if move is None:
                 shifted = _shift_rows(
