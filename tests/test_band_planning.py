@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import fx_vitbal
 from fx_vitbal.cost import ArchitectureCost
 from fx_vitbal.cost.memory import held_bytes_per_patch
+from fx_vitbal.plan.band_fill import wrap
 from fx_vitbal.plan.band_plan import cut_frame, price_cut, spread
 from fx_vitbal.plan.band_prices import (
     INTER_NODE_COLLECTIVE_SECONDS,
@@ -503,6 +504,34 @@ def test_a_budget_no_plan_keeps_is_reported_and_every_frame_still_computed_once(
     assert sorted(_rows(planned)) == [4096, 4096]
     assert not planned.plan.cap_respected
     assert "above the row cap (max_len_ratio or memory budget)" in describe_plan(planned, 0)
+
+
+def test_a_pour_passes_over_ranks_without_room_for_a_band():
+    """A 40x40 frame (20 blocks of 80 patches, 0.1 a block) poured at level 1.0 into three
+    empty ranks of a node, rank 0 already computing 1,500 patches under a cap of 1,600: it
+    takes the one block it has room for, not the ten its load allows (2,300 patches), and the
+    other ranks the rest, all within the cap."""
+    loads, rows = [0.0, 0.0, 0.0], [1500, 0, 0]
+    give, _, spilled = wrap(
+        loads, rows, [0, 1, 2], 0, 0, (1, 40, 40), 2.0, RULE, 20, 0.0, 1.0, 1600
+    )
+    assert give == {0: 1, 1: 10, 2: 9} and spilled == 0.0
+    assert rows == [1580, 800, 720]
+
+
+def test_a_tight_budget_at_scale_is_kept():
+    """The documents mix on 512 ranks of 8 a node, one image a rank, 10 GiB a rank (1.2x the
+    mean rank's activations): the pour, counting no rows, left ranks at 10.0-10.4 GiB that no
+    repair could bring back; pouring within each rank's room keeps every rank within it."""
+    from fx_vitbal.tools.workloads import sample_batches
+
+    held = held_bytes_per_patch(QWEN2_VL)
+    for seed in (0, 2):
+        grids = sample_batches(512, 1, mix="documents", seed=seed)
+        planned = _plan(grids, ranks_per_node=8, memory_budget=10 * 2**30)
+        assert planned.frames
+        assert max(_rows(planned)) * held <= 10 * 2**30, seed
+        assert planned.plan.cap_respected
 
 
 def test_bands_keep_the_row_cap():

@@ -16,11 +16,20 @@ too high leaves the last ranks empty, one too low spills its tail onto a few). W
 whole frames leave a rank above the step's floor (the fullest node's level), the costliest
 frame of that rank is poured too (``fill_ranks``' ``bar``).
 
+Under a row cap (``max_len_ratio``, a memory budget's rows: ``cap``) every step counts rows as
+well as cost: a whole unit stays home or goes to the least loaded rank with room for its rows,
+a rank takes no more blocks of a frame than its room holds, and ``_spill`` fills within the
+ranks' rooms first. Cost alone filled the row-heavy ranks (many small images cost little a
+row) past a tight budget, and no later move could bring them back: the documents mix on 512
+ranks at 10 GiB a rank (1.2x the mean rank's) ended 2 of 3 steps above it, and now none
+(``band_caps`` repairs what is left).
+
 Plain Python over a few ranks and units: a ``solve_plan`` a node would cost ~0.5 ms each.
 Deterministic: ranks and units in order, ties to the lower index.
 """
 
 import heapq
+import math
 
 from fx_vitbal.config import BalanceConfig
 from fx_vitbal.plan.band_plan import Placed
@@ -33,23 +42,33 @@ from fx_vitbal.plan.units import is_band, unit_rows
 LEVEL_TRIES, LEVEL_GAP = 4, 0.01
 
 
-def place_in_node(costs_R: list[list[float]], level: float) -> tuple[list[list[int]], list]:
-    """``(dests, loads)``: where a node's units go (``dests[k][i]``: the local rank computing
-    unit ``i`` of local rank ``k``) and each rank's load: costliest first (ties: the lower
-    rank, then unit), each stays on its rank while that keeps it within ``level`` (or the
-    costliest unit) plus ``MAKESPAN_SLACK``, else goes to the least loaded rank (the lower on
-    ties): LPT that keeps what it can home. A few ranks and units: plain Python, no
-    ``solve_plan`` (whose fixed cost, ~0.5 ms, every node would pay)."""
+def place_in_node(
+    costs_R: list[list[float]], level: float, rows_R: list[list[int]], cap: float = math.inf
+) -> tuple[list[list[int]], list, list]:
+    """``(dests, loads, rows)``: where a node's units go (``dests[k][i]``: the local rank
+    computing unit ``i`` of local rank ``k``), each rank's load and rows: costliest first
+    (ties: the lower rank, then unit), each stays on its rank while that keeps it within
+    ``level`` (or the costliest unit) plus ``MAKESPAN_SLACK`` and ``cap`` rows, else goes to
+    the least loaded rank with room for its rows ``rows_R[k][i]`` (an empty rank has room for
+    one unit; no rank with room: the least loaded; the lower on ties): LPT that keeps what it
+    can home. A few ranks and units: plain Python, no ``solve_plan`` (whose fixed cost,
+    ~0.5 ms, every node would pay)."""
     flat = [c for costs in costs_R for c in costs]
     target = max(level, max(flat, default=0.0)) * (1.0 + MAKESPAN_SLACK)
-    loads = [0.0] * len(costs_R)
+    loads, rows = [0.0] * len(costs_R), [0] * len(costs_R)
     dests = [[k] * len(costs) for k, costs in enumerate(costs_R)]
     order = sorted((-c, k, i) for k, costs in enumerate(costs_R) for i, c in enumerate(costs))
     for cost, k, i in order:
-        d = k if loads[k] - cost <= target else min(range(len(loads)), key=loads.__getitem__)
+        n = rows_R[k][i]
+        if loads[k] - cost <= target and (rows[k] + n <= cap or not rows[k]):
+            d = k
+        else:
+            fits = [j for j in range(len(loads)) if rows[j] + n <= cap or not rows[j]]
+            d = min(fits or range(len(loads)), key=loads.__getitem__)
         loads[d] -= cost
+        rows[d] += n
         dests[k][i] = d
-    return dests, loads
+    return dests, loads, rows
 
 
 def held_by_ranks(first: Placed, ranks: range, members, cut_at: dict) -> tuple[list, list]:
@@ -76,7 +95,7 @@ def held_by_ranks(first: Placed, ranks: range, members, cut_at: dict) -> tuple[l
     return units, frames
 
 
-def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=None):
+def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=None, cap=math.inf):
     """``(dests, placed, makespan, level, units, frames)`` of a node (``fill_node``; ``units``
     its whole units by local rank, ``frames`` those it cuts, both as filled: copies) at the
     level searched as [Note: pouring frames] says. Each band poured pays the dearest
@@ -90,10 +109,11 @@ def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=No
         work += sum(p * len(f[5].bands) for p, f in zip(est, frames, strict=True))
         level = start = work / len(units)
         whole = [[entry[3] for entry in unit] for unit in units]
+        whole_rows = [[entry[4] for entry in unit] for unit in units]
         tops = [most(f[3]) for f in frames]
         best, low, high = None, start, None
         for _ in range(LEVEL_TRIES):
-            tried = fill_node(whole, frames, est, tops, rule, level)
+            tried = fill_node(whole, whole_rows, frames, est, tops, rule, level, cap)
             if best is None or max(tried[0]) < max(best[0]):
                 best = tried
             if max(tried[0]) <= start * (1.0 + MAKESPAN_SLACK):
@@ -126,16 +146,17 @@ def fill_ranks(units, frames, first: Placed, rule: BandRule, halve, most, bar=No
     return dests, placed, max(loads, default=0.0), start, units, frames
 
 
-def fill_node(whole_R, frames, est, most, rule: BandRule, level: float):
+def fill_node(whole_R, rows_R, frames, est, most, rule: BandRule, level: float, cap=math.inf):
     """``(loads, dests, given, spilled)``: a node's whole units placed
     (``place_in_node``), then its frames poured in, costliest first, by McNaughton's
-    wrap-around rule (``wrap``) at ``level``; ``given`` each frame's blocks by local rank,
-    ``spilled`` the work that went above the level."""
-    dests, loads = place_in_node(whole_R, level)
+    wrap-around rule (``wrap``) at ``level``, no rank above ``cap`` rows where it has room;
+    ``given`` each frame's blocks by local rank, ``spilled`` the work that went above the
+    level."""
+    dests, loads, rows = place_in_node(whole_R, level, rows_R, cap)
     order = sorted(range(len(loads)), key=lambda k: (loads[k], k))
     at, given, spilled = 0, [], 0.0
     for (k, _, _, u, cost, _), price, top in zip(frames, est, most, strict=True):
-        give, at, over = wrap(loads, order, at, k, u, cost, rule, top, price, level)
+        give, at, over = wrap(loads, rows, order, at, k, u, cost, rule, top, price, level, cap)
         given.append(give)
         spilled += over
     return loads, dests, given, spilled
@@ -143,6 +164,7 @@ def fill_node(whole_R, frames, est, most, rule: BandRule, level: float):
 
 def wrap(
     loads: list[float],
+    rows: list[int],
     order: list[int],
     at: int,
     home: int,
@@ -152,6 +174,7 @@ def wrap(
     most: int,
     price: float,
     level: float,
+    cap: float = math.inf,
 ) -> tuple[dict[int, int], int, float]:
     """``(give, at, spilled)``: frame ``unit`` (cost ``cost``) poured into a node's
     ranks in ``order`` from ``order[at]`` on, each filled up to ``level`` before the next
@@ -160,20 +183,26 @@ def wrap(
     ``at`` where the next frame starts. Each band pays ``price`` (its exchange) and is whole
     ``align`` rows of at least ``min_patches`` and at most ``most`` blocks (a budget;
     ``_spill`` may go over it, and ``band_nodes`` then spreads the frame's even bands); a rank
-    whose room is smaller than a band is passed over, and what the ranks cannot take at the
-    level (``spilled``) goes where it ends lowest (``_spill``). ``give``: its ``align`` blocks
+    whose room (in load, or in rows under ``cap``) is smaller than a band is passed over, and
+    what the ranks cannot take at the level (``spilled``) goes where it ends lowest within the
+    cap (``_spill``); ``rows`` updated too. ``give``: its ``align`` blocks
     by rank, in band order (the first band to ``home`` when it takes part; a frame that fits
     one rank stays whole)."""
     _, h, w = unit
     blocks = h // rule.align
     least = max(1, -(-rule.min_patches // (rule.align * w)))
     per = cost / blocks
+    size = rule.align * w  # patches a block
+
+    def room(r: int) -> float:
+        return math.inf if cap == math.inf else (cap - rows[r]) // size
+
     give: dict[int, int] = {}
     left = blocks
     while left and at < len(order):
         r = order[at]
         extra = 0.0 if left == blocks and per * blocks + loads[r] <= level else price
-        g = min(round((level - loads[r] - extra) / per), left, most)
+        g = min(round((level - loads[r] - extra) / per), left, most, room(r))
         if 0 < left - g < least:  # leave the next rank a band worth cutting
             g = left - least
         if g < least and g < left:
@@ -181,12 +210,16 @@ def wrap(
             continue
         give[r] = g
         loads[r] += g * per + extra
+        rows[r] += g * size
         left -= g
         if left:
             at += 1
     over = left * per
+    taken = dict(give)
     if left:  # above the level: spread where it ends lowest (a new band at least whole)
-        give = _spill(loads, order, give, left, per, least, price)
+        give = _spill(loads, order, give, left, per, least, price, room)
+        for r, g in give.items():
+            rows[r] += (g - taken.get(r, 0)) * size
     if home in give:
         give = {home: give.pop(home), **give}
     return give, at, over
@@ -202,35 +235,42 @@ def _as_bands(give: dict[int, int], unit, rule: BandRule) -> tuple[list[Band], l
     return bands, list(give)
 
 
-def _spill(loads, order, give: dict, left: int, per: float, least: int, price: float) -> dict:
+def _spill(loads, order, give: dict, left: int, per: float, least: int, price: float, room) -> dict:
     """``give`` with ``left`` more blocks over the frame's ranks and the ``j`` least loaded
-    others (each a new band of at least ``least`` blocks, paying ``price``), block by block to
-    the rank that ends lowest, for the ``j`` whose fullest rank ends lowest (``loads``
-    updated)."""
+    others with room for a band (each a new band of at least ``least`` blocks, paying
+    ``price``), block by block to the rank that ends lowest among those with room
+    (``room(r)``: blocks rank ``r`` may still take; where none has, to the lowest), for the
+    ``j`` whose fullest rank ends lowest, a fill within the rooms first (``loads`` updated)."""
     others = sorted((r for r in order if r not in give), key=lambda r: (loads[r], r))
+    others = [r for r in others if room(r) >= least] or others
     best = None
     for j in range(min(len(others), left // least) + 1):
-        trial, room = dict(give), dict.fromkeys(give, 0.0)
+        trial, ends = dict(give), {r: loads[r] for r in give}
+        spare = {r: room(r) for r in give}
         spent = 0
         for r in others[:j]:
-            trial[r], room[r] = least, least * per + price
+            trial[r], ends[r], spare[r] = least, loads[r] + least * per + price, room(r) - least
             spent += least
         if spent > left or not trial:
             continue
-        ends = {r: loads[r] + room[r] for r in trial}
-        lowest = [(end + per, r) for r, end in ends.items()]  # where a block ends lowest
+        lowest = [(end + per, r) for r, end in ends.items() if spare[r] >= 1]
         heapq.heapify(lowest)
         for _ in range(left - spent):
-            r = lowest[0][1]
+            # Where a block ends lowest, within its rank's room (none left: lowest of all).
+            r = lowest[0][1] if lowest else min(ends, key=lambda r: (ends[r], r))
             ends[r] += per
             trial[r] += 1
-            heapq.heapreplace(lowest, (ends[r] + per, r))
-        top = max(ends.values())
-        if best is None or top < best[0]:
-            best = (top, trial, ends)
+            spare[r] -= 1
+            if lowest and spare[r] >= 1:
+                heapq.heapreplace(lowest, (ends[r] + per, r))
+            elif lowest:
+                heapq.heappop(lowest)
+        key = (min(spare.values()) < 0, max(ends.values()))
+        if best is None or key < best[0]:
+            best = (key, trial, ends)
     if best is None:  # no band of the frame yet and too little for one: whole, where lowest
         r = min(order, key=lambda r: (loads[r], r))
-        best = (0.0, {r: left}, {r: loads[r] + left * per})
+        best = (None, {r: left}, {r: loads[r] + left * per})
     _, trial, ends = best
     for r, end in ends.items():
         loads[r] = end

@@ -77,6 +77,8 @@ def solve_by_nodes(
     rpn = config.ranks_per_node if by_nodes(config.ranks_per_node, num_ranks) else num_ranks
     mean = sum(map(sum, costs_O)) / num_ranks
     max_rows = rows_within(config.memory_budget, held_per_patch)
+    home_rows = [[unit_rows(u) for u in units] for units in units_O]
+    cap = owners_row_cap(home_rows, config.max_len_ratio, max_rows)
     blind = dataclasses.replace(config, ranks_per_node=None)
     # Nothing below the node level evens out what it leaves between nodes: it refines to a
     # finer tolerance, and a node's rows are its ranks' business (each rank's, in its node).
@@ -153,7 +155,7 @@ def solve_by_nodes(
         )
         filled = [([sub.destinations(k) for k in range(len(units))], [], 0.0, 0.0, units, [])]
     else:  # by node: whole units first, then frames poured up to each node's level
-        filled = [fill_ranks(*state, first, rule, halve, most) for state in held]
+        filled = [fill_ranks(*state, first, rule, halve, most, cap=cap) for state in held]
         # No plan ends below the fullest node's level: a node's rank above it by the minimum
         # gain has its costliest frame poured too (nine frames of nearly the mean on eight
         # ranks), where an exchange model prices the bands that costs (else nothing says it
@@ -161,7 +163,7 @@ def solve_by_nodes(
         bar = max(floor, *(f[3] for f in filled)) * (1.0 + MAKESPAN_SLACK)
         for n, state in enumerate(held):
             if prices is not None and filled[n][2] > bar * (1.0 + config.min_gain):
-                filled[n] = fill_ranks(*state, first, rule, halve, most, bar)
+                filled[n] = fill_ranks(*state, first, rule, halve, most, bar, cap)
     for ranks, (dests, placed, _, _, units, frames) in zip(nodes, filled, strict=True):
         for (_, r, i, u, _, cut), (bands, on) in zip(frames, placed, strict=True):
             if cut.required and max(b.h for b in bands) > most(u) * rule.align:
@@ -189,9 +191,6 @@ def solve_by_nodes(
             loads[d] += cost
     spread_by = rpn if rpn < num_ranks else None
     moved = spread_bands(dest_O, loads, final, cuts, spread_by)  # budget bands, two on a rank
-    cap = owners_row_cap(
-        [[unit_rows(u) for u in units] for units in units_O], config.max_len_ratio, max_rows
-    )
     if keep_row_cap(dest_O, loads, final, cuts, cap, rule, spread_by) or moved:
         cuts = settle(cuts, final, lambda o, i: dest_O[o][i], rule, prices, config)
         reprice(final, costs_O, cuts)
