@@ -519,6 +519,24 @@ def test_a_pour_passes_over_ranks_without_room_for_a_band():
     assert rows == [1580, 800, 720]
 
 
+def test_rows_above_a_budget_go_to_any_band_of_their_frame_with_room():
+    """Two frames on rank 0 of three (18x32 and 42x20 patches), 566 patches a rank: both are
+    cut, and where no whole band fits elsewhere the rows a rank holds above the budget go to
+    a band of the same frame whose rank has room, the bands between shifted along the frame
+    (rows shifted only to the next band left a rank above it). Every band stays a run of its
+    frame's rows (the property test checks the general case)."""
+    held = held_bytes_per_patch(QWEN2_VL)
+    grids = [[[1, 18, 32], [1, 42, 20]], [], []]
+    planned = _plan(grids, memory_budget=566 * held, ranks_per_node=2, min_band_patches=64)
+    assert len(planned.frames) == 2
+    assert max(_rows(planned)) <= 566 and planned.plan.cap_respected
+    for name, indices in planned.frames.items():
+        bands = [planned.units_O[name[0]][i] for i in indices]
+        assert [b.first_row for b in bands] == [
+            sum(b.h for b in bands[:k]) for k in range(len(bands))
+        ]
+
+
 def test_a_tight_budget_at_scale_is_kept():
     """The documents mix on 512 ranks of 8 a node, one image a rank, 10 GiB a rank (1.2x the
     mean rank's activations): the pour, counting no rows, left ranks at 10.0-10.4 GiB that no

@@ -1,20 +1,21 @@
 """The row cap kept by a plan with bands: ``max_len_ratio``'s, and a memory budget's rows.
 
-Bands are placed by cost (the node level, the pour, ``band_plan.spread_bands``), and none of
-those counts rows, so a rank can end above the cap where whole units would not: the documents
-mix on 512 ranks of 8 a node at ``max_len_ratio=1.3``, one image a rank, ended with a rank at
-1.07x the cap. ``keep_row_cap`` then moves units off each rank above it, fullest first: the
-cheapest unit whose rows bring the rank within the cap (else the one with the most rows, and
-again), each to the least loaded rank of its node it fits on (a band never to a rank computing
-another band of its frame). Where no unit fits in the node, whole ``align`` rows of one of the
-rank's bands go to the band next to it in its frame, when that band's rank has room (bands cut
-evenly for cost can leave two bands of 2,400 and 2,448 rows on a rank capped at 4,818 while
-their frames' other bands sit on ranks with room: no whole band fits there, 160 rows do); else
-a unit goes to another node, whole units first (a band there makes its frame pay for crossing
-nodes: what a tight budget costs, ``docs/benchmarks.md``). A rank holding one unit keeps it
-(the cap's exception: a unit alone; a memory budget cuts frames above it into bands first).
-Where nothing fits, the cap stays broken, and the plan says so (``Plan.cap_respected``).
-Deterministic: ranks and units in order, ties to the lower index.
+Bands are placed by cost (the node level, ``band_plan.spread_bands``; the pour counts rows
+only where a rank has room, ``band_fill``), so a rank can end above the cap where whole units
+would not: the documents mix on 512 ranks of 8 a node at ``max_len_ratio=1.3``, one image a
+rank, ended with a rank at 1.07x the cap. ``keep_row_cap`` then moves units off each rank
+above it, fullest first: the cheapest unit whose rows bring the rank within the cap (else the
+one with the most rows, and again), each to the least loaded rank of its node it fits on (a
+band never to a rank computing another band of its frame). Where no unit fits in the node,
+whole ``align`` rows of one of the rank's bands go to another band of its frame, the nearest
+first, whose rank has room (bands cut evenly for cost can leave two bands of 2,400 and 2,448
+rows on a rank capped at 4,818 while their frames' other bands sit on ranks with room: no
+whole band fits there, 160 rows do; the bands between keep their sizes, shifted along the
+frame); else a unit goes to another node, whole units first (a band there makes its frame pay
+for crossing nodes: what a tight budget costs, ``docs/benchmarks.md``). A rank holding one
+unit keeps it (the cap's exception: a unit alone; a memory budget cuts frames above it into
+bands first). Where nothing fits, the cap stays broken, and the plan says so
+(``Plan.cap_respected``). Deterministic: ranks and units in order, ties to the lower index.
 """
 
 import math
@@ -136,11 +137,13 @@ def _move_off(r, rows, held, loads, placed, frame_of, bands_on, open_ranks, cap,
 
 
 def _shift_rows(r, rows, held, loads, dest_O, placed, cuts, frame_of, cap, rule: BandRule):
-    """Whole ``align`` rows of a band of rank ``r`` moved to the band next to it in its frame
-    (the one before it first), on a rank with room for them, at most what brings ``r`` within
-    ``cap`` and leaving the band ``min_patches``; the rank that took them, or None. The two
-    bands' units (in ``placed`` and the frame's cut), ``rows`` and ``loads`` updated (the cost
-    moved as the rows' share of the band's; ``band_plan.reprice`` prices them again)."""
+    """Whole ``align`` rows of a band of rank ``r`` moved to another band of its frame (the
+    nearest first, the one before on ties) on a rank with room for them, at most what brings
+    ``r`` within ``cap`` and leaving the band ``min_patches``; the rank that took them, or None.
+    The bands between keep their rows, each starting ``moved`` rows later (or earlier), so every
+    band stays a run of the frame's rows and only the two ends change size. The bands' units
+    (in ``placed`` and the frame's cut), ``rows`` and ``loads`` updated (the cost moved as the
+    rows' share of the band's; ``band_plan.reprice`` prices them again)."""
     excess = rows[r] - cap
     for o, i in sorted(held[r]):
         key = frame_of.get((o, i))
@@ -150,10 +153,8 @@ def _shift_rows(r, rows, held, loads, dest_O, placed, cuts, frame_of, cap, rule:
         block = rule.align * band.w
         least = max(1, -(-rule.min_patches // block))
         first = placed.names[key][1]
-        count = len(cuts[key].bands)
-        for j in (i - 1, i + 1):
-            if not first <= j < first + count:
-                continue
+        others = sorted(range(first, first + len(cuts[key].bands)), key=lambda j: (abs(j - i), j))
+        for j in others:
             t = dest_O[o][j]
             if t == r:
                 continue
@@ -162,23 +163,20 @@ def _shift_rows(r, rows, held, loads, dest_O, placed, cuts, frame_of, cap, rule:
             )
             if blocks < 1:
                 continue
-            moved_rows = blocks * rule.align
-            other = placed.units_O[o][j]
-            if j < i:
-                new_other = other._replace(h=other.h + moved_rows)
-                new_band = band._replace(
-                    h=band.h - moved_rows, first_row=band.first_row + moved_rows
-                )
-            else:
-                new_other = other._replace(
-                    h=other.h + moved_rows, first_row=other.first_row - moved_rows
-                )
-                new_band = band._replace(h=band.h - moved_rows)
-            cost = placed.costs_O[o][i] * moved_rows / band.h
-            placed.units_O[o][i], placed.units_O[o][j] = new_band, new_other
+            moved = blocks * rule.align
+            step = moved if j < i else -moved  # where the bands from j to i start, shifted
             bands = list(cuts[key].bands)
-            bands[i - first], bands[j - first] = new_band, new_other
+            for b in range(min(i, j), max(i, j) + 1):
+                u = placed.units_O[o][b]
+                if b == j:
+                    u = u._replace(h=u.h + moved, first_row=u.first_row + min(step, 0))
+                elif b == i:
+                    u = u._replace(h=u.h - moved, first_row=u.first_row + max(step, 0))
+                else:
+                    u = u._replace(first_row=u.first_row + step)
+                placed.units_O[o][b] = bands[b - first] = u
             cuts[key] = cuts[key]._replace(bands=bands)
+            cost = placed.costs_O[o][i] * moved / band.h
             rows[r] -= blocks * block
             rows[t] += blocks * block
             loads[r] -= cost
