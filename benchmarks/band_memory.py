@@ -4,21 +4,24 @@ Qwen2-VL tower (sdpa, width 256, MLP 4x), one frame cut into k bands on k gloo r
     python benchmarks/band_memory.py [--ks 2 4 8] [--side 64] [--kinds gather ring ulysses]
         [--depth 8] [--width 256]
 
-Saved bytes: every tensor autograd keeps during the tower's forward
-(``torch.autograd.graph.saved_tensors_hooks``), counted once per storage, of the busiest band
-rank, over those of the plain tower on the whole frame. Peak: the largest bytes held at once
-by storages the step allocates during the forward and backward, tracked by a
-``TorchDispatchMode`` (CPU; what a GPU's allocator would hold, but for its caching; a view or
-an in-place result is counted where its storage was made, so a weight's transpose or the
-input pixels reshaped count nothing), the busiest rank over the whole frame's. Target (the
-bands-at-scale issue): both at most 1.25/k.
+Saved bytes: what the tensors autograd keeps during the tower's forward
+(``torch.autograd.graph.saved_tensors_hooks``) hold once the forward is done, while the rest of
+a model's forward runs, counted once per storage, of the busiest band rank, over those of the
+plain tower on the whole frame (a split step's exchanged pixels are released by then and
+fetched again in the backward: ``runtime.transport.refetch``). Peak: the largest bytes held at
+once by storages the step allocates during the forward and backward, tracked by a
+``TorchDispatchMode`` that reads every live storage's size after each op (CPU; what a GPU's
+allocator would hold, but for its caching; a view or an in-place result is counted where its
+storage was made, so a weight's transpose or the input pixels reshaped count nothing; a
+storage released and filled again in place counts its bytes while it holds them), the busiest
+rank over the whole frame's. Target (the bands-at-scale issue): both at most 1.25/k.
 
 Both are printed twice: of every storage (the weights a layer saves for its backward, the
 input pixels and the weights' gradients included: the same on every rank whatever k, 25 MB
 here, but for the pixels), and of activations only (saved: without the weights and the input
 pixels, held before the step; peak: without the weights' gradients): what splitting a frame
-can shrink, and what the target means. A band rank's received pixels are made by the step:
-counted. Each exchange kind forced (``--kinds``).
+can shrink, and what the target means. A band rank's exchanged pixels are made by the step:
+counted while held. Each exchange kind forced (``--kinds``).
 """
 
 import argparse
@@ -43,14 +46,17 @@ def _vision(depth: int, width: int) -> dict:
 
 
 class _Peak(TorchDispatchMode):
-    """Bytes held by live tensors made under this mode: now, and at most."""
+    """Bytes held by the live storages made under this mode: now, and at most.
+
+    Each storage counts its bytes now (``nbytes``, read at every op), so one released and
+    filled again in place (``untyped_storage().resize_``, a split step's exchanged pixels)
+    counts nothing in between, and its refill is not a new storage."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = self.peak = 0
-        self.grads = 0  # of the weights' gradients, once accumulated
-        self.counted_grads: set[int] = set()
+        self.live: dict[int, weakref.ref] = {}  # by storage (``_cdata``: kept across resizes)
+        self.grads: set[int] = set()  # the weights' gradients, once accumulated
+        self.peak = 0
         self.peak_activations = 0  # the most held at once, the weights' gradients left out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -59,49 +65,47 @@ class _Peak(TorchDispatchMode):
         # counted where that storage was made, or was held before the step (a weight's
         # transpose, the input pixels reshaped).
         given = {
-            t.untyped_storage().data_ptr()
+            t.untyped_storage()._cdata
             for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and t.device.type != "meta"
         }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in given:
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    self.peak_activations = max(self.peak_activations, self.now - self.grads)
+                key = storage._cdata
+                if storage.nbytes() and key not in self.live and key not in given:
+                    self.live[key] = weakref.ref(storage)
                     weakref.finalize(storage, self._freed, key)
+        held = {key: ref() for key, ref in self.live.items()}
+        now = sum(s.nbytes() for s in held.values() if s is not None)
+        grads = sum(held[key].nbytes() for key in self.grads if held.get(key) is not None)
+        self.peak = max(self.peak, now)
+        self.peak_activations = max(self.peak_activations, now - grads)
         return out
 
     def accumulated(self, parameter: torch.Tensor) -> None:
         """A weight's gradient landed (a hook after accumulation): from now on not an
         activation."""
-        key = parameter.grad.untyped_storage().data_ptr()
-        if key in self.live and key not in self.counted_grads:
-            self.counted_grads.add(key)
-            self.grads += self.live[key]
+        key = parameter.grad.untyped_storage()._cdata
+        if key in self.live:
+            self.grads.add(key)
 
     def _freed(self, key: int) -> None:
-        nbytes = self.live.pop(key, 0)
-        self.now -= nbytes
-        if key in self.counted_grads:
-            self.counted_grads.discard(key)
-            self.grads -= nbytes
+        self.live.pop(key, None)
+        self.grads.discard(key)
 
 
 def _saved_and_peak(tower, run, pixels=None) -> tuple[int, int, int, int]:
     """``run()``'s forward saved bytes (distinct storages) and its forward+backward peak, then
     both of activations only (module doc: saved without the weights and ``pixels``, peak
     without the weights' gradients)."""
-    storages: dict[int, int] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
     held = [*tower.parameters(), *([] if pixels is None else [pixels])]
     before = {t.untyped_storage().data_ptr() for t in held}  # held before the step
 
     def pack(t):
         storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        storages.setdefault(storage.data_ptr(), storage)
         return t
 
     peak = _Peak()
@@ -109,11 +113,14 @@ def _saved_and_peak(tower, run, pixels=None) -> tuple[int, int, int, int]:
     with peak:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run()
+        # What the saved tensors hold once the forward is done, while the rest of a model's
+        # forward runs (a split step's exchanged pixels are released by then).
+        saved = {key: storage.nbytes() for key, storage in storages.items()}
         out.pooler_output.float().pow(2).mean().backward()
     for hook in hooks:
         hook.remove()
-    activations = sum(n for key, n in storages.items() if key not in before)
-    return sum(storages.values()), peak.peak, activations, peak.peak_activations
+    activations = sum(n for key, n in saved.items() if key not in before)
+    return sum(saved.values()), peak.peak, activations, peak.peak_activations
 
 
 def _tower(checkpointing: bool, vision: dict):

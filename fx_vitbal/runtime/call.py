@@ -12,7 +12,7 @@ from fx_vitbal.measure import clock as step_clock
 from fx_vitbal.runtime.agree import planning
 from fx_vitbal.runtime.agree.problems import DEVICE_TYPES, PROBLEMS, device_code, problem_code
 from fx_vitbal.runtime.bands.view import bands_for_vit
-from fx_vitbal.runtime.transport import collectives, ops, transfer
+from fx_vitbal.runtime.transport import collectives, ops, refetch, transfer
 from fx_vitbal.runtime.transport.routing import Routing
 from fx_vitbal.runtime.transport.state import route_of, state_of_routing
 from fx_vitbal.runtime.vit.registry import unwrap_module, vision_encoder_spec
@@ -62,6 +62,12 @@ def run_balanced(
     other row counts than ``t*h*w`` or ``t*h*w / merge**2`` per unit (eager only): ``restore``
     then moves each unit's rows by a routing that counts them so (``planning._rows_routing``).
 
+    On an eager step that splits a frame, the exchanged pixels ``run`` computed from are released
+    once ``restore`` is done and fetched again by its backward (``runtime.transport.refetch``):
+    ``extra`` must not lead a backward into the ViT other than through ``restore`` (the callers'
+    ``extra`` is a window index, or a tower output whose every gradient-carrying field is
+    replaced by its restored rows).
+
     Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
     never waits for the ViT (``ops.restore``).
     """
@@ -89,14 +95,18 @@ def run_balanced(
         bands = bands_for_vit(routing, grid, group_name, call.runs_bands)
     outputs, extra = run(pixels, grid, bands)
     check_now = ops.no_backward_will_come(outputs)
+    refetched = None if compiling else refetch.offer(routing, pixel_values, area, group_name)
     if output_rows is not None:
         restored = _restore_rows(
             outputs, routing, output_rows, pixels.shape[0], group_name, check_now
         )
-        return restored, extra, routing
-    layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
-    rows = ops.home_rows(layouts, pixel_values.shape[0], area)
-    restored = ops.restore(outputs, routing, area, layouts, rows, group_name, True, check_now)
+    else:
+        layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
+        rows = ops.home_rows(layouts, pixel_values.shape[0], area)
+        restored = ops.restore(outputs, routing, area, layouts, rows, group_name, True, check_now)
+    if refetched is not None:  # the exchanged pixels, until the backward fetches them again
+        refetch.withdraw()
+        refetched.release(pixels, outputs)
     return restored, extra, routing
 
 

@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from fx_vitbal._compat import CUDAGRAPH_UNSAFE
 from fx_vitbal.measure.stats import publish
-from fx_vitbal.runtime.transport import status, transfer
+from fx_vitbal.runtime.transport import refetch, status, transfer
 from fx_vitbal.runtime.transport.collectives import group_ranks, resolve_group
 from fx_vitbal.runtime.transport.exchange import exchange
 from fx_vitbal.runtime.transport.layouts import (
@@ -310,5 +310,22 @@ def _backward_by(reverse_op, *extra):
     return backward
 
 
+_output_gradients_out = _backward_by(redistribute, True)
+
+
+def _restore_setup_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.refetch = refetch.take()
+
+
+def _restore_backward(ctx, grads):
+    """The output gradients to the computing ranks, then, on a step whose exchanged pixels were
+    released, the pixels again (``runtime.transport.refetch``): before any ViT backward."""
+    moved = _output_gradients_out(ctx, grads)
+    if ctx.refetch is not None:
+        ctx.refetch.refill()
+    return moved
+
+
 redistribute.register_autograd(_backward_by(restore, False), setup_context=_setup_context)
-restore.register_autograd(_backward_by(redistribute, True), setup_context=_setup_context)
+restore.register_autograd(_restore_backward, setup_context=_restore_setup_context)

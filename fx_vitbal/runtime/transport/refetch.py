@@ -1,0 +1,126 @@
+"""A split step's exchanged pixels: released once the forward's exchanges are done, fetched again
+by the backward's first exchange.
+
+A ViT keeps the pixel rows it computed from for its backward (its patch embedding saves them for
+its weight gradient), from its forward to the end of its backward: in a VLM, through the
+language model's forward, where memory peaks. The home rank's pixels are the caller's and held
+anyway; the rows ``redistribute`` made on the rank computing them are not. On a step that splits
+a frame they are the largest thing a band rank keeps beside the tower's checkpoints (Qwen2-VL's
+1,176 values a patch against 2 x 256 a layer for a narrow tower under gradient checkpointing;
+3% of a band's at 32 layers of width 1280).
+
+So on such a step (``Routing.split``) the eager call hands a ``Refetch`` to ``restore``'s autograd
+context, and once ``restore`` is done it releases the exchanged pixels' storage (``release``).
+``restore``'s backward, which runs before any of the ViT's backward (the ViT's outputs reach the
+rest of the model only through it), moves the home pixels again, the forward's move, and writes
+them into that storage (``refill``): every tensor saved on it (a view, a reshape) is whole again
+before a backward reads it. Read in between, it raises ("data is not allocated"), never returns
+stale rows.
+
+Lockstep: the refill's exchange runs in every restore backward of such a step, on every rank
+(the plan is global); whether a rank released its pixels is its own choice, and a rank that kept
+them takes part and drops what it receives. A rank keeps them where a ViT output shares their
+storage. A call run inside a backward (a checkpoint's recompute) offers nothing: its ``restore``
+may never see a backward (a non-reentrant checkpoint keeps only the tensors the recompute saves),
+so nothing would refill it. Compiled graphs never release (their buffers are inductor's).
+"""
+
+import dataclasses
+import threading
+
+import torch
+
+from fx_vitbal.runtime.transport.collectives import resolve_group
+from fx_vitbal.runtime.transport.exchange import exchange
+from fx_vitbal.runtime.transport.rows import as_blocks
+from fx_vitbal.runtime.transport.state import route_of
+
+
+@dataclasses.dataclass(eq=False)
+class Refetch:
+    """What ``restore``'s backward needs to write a step's exchanged pixels again."""
+
+    routing: torch.Tensor
+    """The step's pixel routing (``restore``'s may count output rows instead)."""
+    home: torch.Tensor | None
+    """This rank's pixels as they entered ``redistribute`` (the caller's)."""
+    merge_area: int
+    group_name: str
+    exchanged: torch.Tensor | None = None
+    """The exchanged pixels whose storage was released (None: kept, or refilled already)."""
+    nbytes: int = 0
+    """Their storage's size before it was released."""
+    taken: bool = False
+    """``restore``'s autograd context holds it: a backward will refill."""
+
+    def release(self, pixels: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+        """Release ``pixels``' storage if a backward will refill it and nothing else reads it
+        before (module doc)."""
+        storage = pixels.untyped_storage()
+        if not self.taken or not storage.nbytes() or not pixels.is_contiguous():
+            return
+        if any(o.untyped_storage().data_ptr() == storage.data_ptr() for o in outputs):
+            return
+        if storage.data_ptr() == self.home.untyped_storage().data_ptr():
+            return
+        self.exchanged, self.nbytes = pixels, storage.nbytes()
+        storage.resize_(0)
+
+    def refill(self) -> None:
+        """The forward's pixel move again, into the released storage (every rank runs it)."""
+        home, exchanged = self.home, self.exchanged
+        self.home = self.exchanged = None  # once: a retained graph's next backward has them
+        if home is None:
+            return
+        route = route_of(self.routing)
+        into = None
+        with torch.no_grad():
+            if exchanged is not None:  # the rows land in place, the dummy unit's zeros after
+                storage = exchanged.untyped_storage()
+                storage.resize_(self.nbytes)
+                target = exchanged.new_empty(0).set_(
+                    storage, exchanged.storage_offset(), exchanged.shape, exchanged.stride()
+                )
+                blocks = as_blocks(target, self.merge_area)
+                into = blocks[: blocks.shape[0] - route.dummy_rows // self.merge_area]
+                blocks[into.shape[0] :].zero_()
+            group = resolve_group(self.group_name)
+            home_blocks = as_blocks(home, self.merge_area)
+            (moved,), _ = exchange([home_blocks], route, self.merge_area, False, group, into=into)
+            if into is not None and moved.data_ptr() != into.data_ptr():
+                into.copy_(moved)  # a move that gathers its rows in another order first
+
+
+def offer(routing: torch.Tensor, home: torch.Tensor, merge_area: int, group_name: str):
+    """A ``Refetch`` for the ``restore`` this thread calls next to take (``take``), on a step
+    that splits a frame; else None. Eager calls only: a compiled graph's ``restore`` runs no
+    Python in its backward."""
+    route = route_of(routing)
+    if not (route.applied and route.split) or route.mismatched or _in_backward():
+        return None
+    _OFFERED.refetch = Refetch(routing, home, merge_area, group_name)
+    return _OFFERED.refetch
+
+
+def take() -> Refetch | None:
+    """The offered ``Refetch``, now held by ``restore``'s autograd context only."""
+    refetch = getattr(_OFFERED, "refetch", None)
+    if refetch is not None:
+        _OFFERED.refetch = None
+        refetch.taken = True
+    return refetch
+
+
+def withdraw() -> None:
+    """Drop an offer ``restore`` did not take (no autograd recorded it)."""
+    _OFFERED.refetch = None
+
+
+# The offer, from the eager call to its ``restore``'s autograd context, on the calling thread
+# (ranks may be threads of one process).
+_OFFERED = threading.local()
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside a backward (a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
