@@ -4,7 +4,8 @@ autograd entry point, a retained graph, checkpoints around the call and calls wi
 backward, and the refetch is one more exchange on every rank, in the backward only.
 
 2 gloo ranks, the reference tower in float64 (its patch embedding saves its input pixels):
-rank 0's 32x32-patch frame binds the step and is split, a band on each rank.
+rank 0's 32x32-patch frame binds the step and is split, a band on each rank; then replica
+sets of 2 on 4 ranks.
 """
 
 import dataclasses
@@ -156,3 +157,46 @@ def test_split_pixels_are_released_after_the_forward_and_fetched_again_exactly()
     }
     retained = {tuple(r["retain_graph"]["backward exchanges"]) for r in results}
     assert retained == {("all_to_all",) * 5}, retained
+
+
+# Replica sets of 2 on 4 ranks: set 0 holds the frame that is split, set 1 a small one.
+SET_GRIDS = [[[1, 32, 32], [1, 4, 4]], [[1, 8, 4]]]
+
+
+def _replicas(rank: int, world: int) -> dict:
+    s = rank // 2
+    vit, pixels, grid = _setup(SET_GRIDS, s)  # both replicas of a set hold its batch
+    want = _gradients(vit, pixels, grid, vit, "grad")
+    seen = []
+    vit.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    stats = []
+    handle = fx_vitbal.add_stats_callback(stats.append)
+
+    def balanced(p, g):
+        return fx_vitbal.dp_balance_vit_encoder(
+            vit, p, g, config=CONFIG, replica_group=[2 * s, 2 * s + 1]
+        )
+
+    embeds, deep = _outputs(balanced, pixels.detach().requires_grad_(True), grid)
+    released = seen[-1].untyped_storage().nbytes() == 0
+    with record_collectives() as issued:
+        params = list(vit.parameters())
+        grads = torch.autograd.grad(_loss([embeds, *deep]), params)
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    handle.remove()
+    return {
+        "difference": _close([flat], want[1:]),
+        "split": stats[-1].split_units,
+        "released": released,
+        "backward exchanges": _exchanges(issued),
+    }
+
+
+def test_split_pixels_with_replica_sets_are_fetched_again_from_their_senders_exactly():
+    """Each unit's pixels come again from the replica that sent them in the forward."""
+    results = run_ranks(_replicas, 4)
+    for rank, res in enumerate(results):
+        assert res["split"] and res["released"], (rank, res)
+        assert res["difference"] <= 1e-9, (rank, res["difference"])
+    assert {tuple(r["backward exchanges"]) for r in results} == {("all_to_all", "all_to_all")}
