@@ -159,7 +159,7 @@ def _balanced_call(
 
     facts = python_call(vit, planner, merge, dist_info, problem)
     outputs, window_index, routing = run_balanced(
-        run, pixel_values, image_grid_thw, facts, vit, grad_without_images=True
+        run, pixel_values, image_grid_thw, facts, vit, grad_without_images=True, refetch_pixels=True
     )
     if outputs is None:  # no pixel tensor anywhere, or a problem every rank raises
         # (A compiled rank returns the plan's empty output: it keeps the op in the graph.)

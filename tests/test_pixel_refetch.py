@@ -200,3 +200,19 @@ def test_split_pixels_with_replica_sets_are_fetched_again_from_their_senders_exa
         assert res["split"] and res["released"], (rank, res)
         assert res["difference"] <= 1e-9, (rank, res["difference"])
     assert {tuple(r["backward exchanges"]) for r in results} == {("all_to_all", "all_to_all")}
+
+
+def _modified(rank: int, world: int) -> str:
+    vit, pixels, grid = _setup(GRIDS, rank)
+    embeds, _, deep = fx_vitbal.dp_balance_vit_encoder(vit, pixels, grid, config=CONFIG)
+    pixels.mul_(2.0)  # the pixels the backward fetches again, changed under it
+    try:
+        torch.autograd.grad(_loss([embeds, *deep]), list(vit.parameters()))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_pixels_modified_in_place_before_the_backward_raise_instead_of_wrong_gradients():
+    for message in run_ranks(_modified, 2):
+        assert "modified in place before its backward" in message, message

@@ -202,9 +202,11 @@ def _rule_of(tower: nn.Module) -> HFTowerRule:
         ) from None
 
 
-def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
+def _balanced_forward(tower, original, *args, vitbal_problem=0, vitbal_parent=False, **kwargs):
     """The tower's forward, balanced; pixels and outputs in the tower's own format (with a
-    leading batch dimension where its rule says so)."""
+    leading batch dimension where its rule says so). ``vitbal_parent``: called by its parent
+    (``_encode_before_parent``), whose pixels may be copies made for this call (cast to the
+    tower's dtype, images and videos joined)."""
     config, group, replica_group, planner, rule, merge = tower._vitbal_hf
     pixels = args[0] if args else kwargs.pop(_pixels_argument(original))
     grid_thw = args[1] if len(args) > 1 else kwargs.pop(rule.grid_argument)
@@ -254,6 +256,9 @@ def _balanced_forward(tower, original, *args, vitbal_problem=0, **kwargs):
         call,
         tower,
         output_rows=None if rule.output_rows is None else lambda u: rule.output_rows(*u, merge),
+        # The rows are the caller's own pixels (a view) only when called directly, without a
+        # call convention that rearranges them: then a split step may fetch them again.
+        refetch_pixels=not vitbal_parent and rule.convention is None,
     )
     if problem:  # (compiled: the plan's empty output keeps the op in the graph)
         return out
@@ -291,7 +296,9 @@ def _encode_before_parent(tower, params, module, args, kwargs):
     fed, fed_grid = tower_call(rule, tower, pixels, grid)
     convention = rule.convention
     called = convention.tower_kwargs(module, kwargs) if convention is not None else {}
-    out = tower(fed, **{rule.grid_argument: fed_grid}, **called, vitbal_problem=problem)
+    out = tower(
+        fed, **{rule.grid_argument: fed_grid}, **called, vitbal_problem=problem, vitbal_parent=True
+    )
     # What the parent's forward passes its feature methods besides pixels and grid.
     passed = convention.feature_kwargs if convention is not None else ()
     extra = {k: v for k, v in kwargs.items() if k not in params or k in passed}

@@ -28,6 +28,7 @@ def run_balanced(
     *,
     grad_without_images=False,
     output_rows=None,
+    refetch_pixels=False,
 ):
     """plan -> redistribute -> ``run(pixels, grid, bands)`` -> restore, the one balanced ViT call
     of every eager and in-place path (and of compiled wrappers, which trace it).
@@ -62,11 +63,13 @@ def run_balanced(
     other row counts than ``t*h*w`` or ``t*h*w / merge**2`` per unit (eager only): ``restore``
     then moves each unit's rows by a routing that counts them so (``planning._rows_routing``).
 
-    On an eager step that splits a frame, the exchanged pixels ``run`` computed from are released
-    once ``restore`` is done and fetched again by its backward (``runtime.transport.refetch``):
-    ``extra`` must not lead a backward into the ViT other than through ``restore`` (the callers'
-    ``extra`` is a window index, or a tower output whose every gradient-carrying field is
-    replaced by its restored rows).
+    ``refetch_pixels``: ``pixel_values`` are the caller's own, kept through its step, on every
+    rank alike (the same entry point: a rule, not this rank's data). On an eager step that
+    splits a frame, the exchanged pixels ``run`` computed from are then released once
+    ``restore`` is done, and its backward fetches them again from ``pixel_values``
+    (``runtime.transport.refetch``): ``extra`` must not lead a backward into the ViT other than
+    through ``restore`` (the callers' ``extra`` is a window index, or a tower output whose every
+    gradient-carrying field is replaced by its restored rows).
 
     Host reads: the plan's one (its gathered metadata; none planned ahead), then none: ``restore``
     never waits for the ViT (``ops.restore``).
@@ -95,17 +98,24 @@ def run_balanced(
         bands = bands_for_vit(routing, grid, group_name, call.runs_bands)
     outputs, extra = run(pixels, grid, bands)
     check_now = ops.no_backward_will_come(outputs)
-    refetched = None if compiling else refetch.offer(routing, pixel_values, area, group_name)
-    if output_rows is not None:
-        restored = _restore_rows(
-            outputs, routing, output_rows, pixels.shape[0], group_name, check_now
-        )
-    else:
-        layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
-        rows = ops.home_rows(layouts, pixel_values.shape[0], area)
-        restored = ops.restore(outputs, routing, area, layouts, rows, group_name, True, check_now)
+    refetched = None
+    if refetch_pixels and not compiling:
+        refetched = refetch.offer(routing, pixel_values, area, group_name)
+    try:
+        if output_rows is not None:
+            restored = _restore_rows(
+                outputs, routing, output_rows, pixels.shape[0], group_name, check_now
+            )
+        else:
+            layouts = ops.output_block_rows(outputs, pixels.shape[0], area)
+            rows = ops.home_rows(layouts, pixel_values.shape[0], area)
+            restored = ops.restore(
+                outputs, routing, area, layouts, rows, group_name, True, check_now
+            )
+    finally:  # an offer lives for this call's restore only
+        if refetched is not None:
+            refetch.withdraw()
     if refetched is not None:  # the exchanged pixels, until the backward fetches them again
-        refetch.withdraw()
         refetched.release(pixels, outputs)
     return restored, extra, routing
 

@@ -17,6 +17,12 @@ them into that storage (``refill``): every tensor saved on it (a view, a reshape
 before a backward reads it. Read in between, it raises ("data is not allocated"), never returns
 stale rows.
 
+The home pixels are the caller's own (``run_balanced``'s ``refetch_pixels``: the eager call and a
+Hugging Face tower called directly, whose rows are a view of its input; not a parent's call,
+whose pixels may be copies cast or joined for it), held through the step anyway, and read again
+in the backward: modified in place before it, the refill raises on that rank (as autograd does
+for a tensor saved for backward), before anything moves.
+
 Lockstep: the refill's exchange runs in every restore backward of such a step, on every rank
 (the plan is global); whether a rank released its pixels is its own choice, and a rank that kept
 them takes part and drops what it receives. A rank keeps them where a ViT output shares their
@@ -52,6 +58,11 @@ class Refetch:
     """Their storage's size before it was released."""
     taken: bool = False
     """``restore``'s autograd context holds it: a backward will refill."""
+    version: int = -1
+    """``home``'s version counter when offered (-1: unset)."""
+
+    def __post_init__(self) -> None:
+        self.version = self.home._version
 
     def release(self, pixels: torch.Tensor, outputs: list[torch.Tensor]) -> None:
         """Release ``pixels``' storage if a backward will refill it and nothing else reads it
@@ -72,6 +83,13 @@ class Refetch:
         self.home = self.exchanged = None  # once: a retained graph's next backward has them
         if home is None:
             return
+        if home._version != self.version:
+            raise RuntimeError(
+                "vit dp balance: the pixels passed to a balanced ViT call that split a frame "
+                "were modified in place before its backward, which fetches them again (as "
+                "autograd refuses for a tensor saved for backward); pass a tensor the step "
+                "leaves unchanged"
+            )
         route = route_of(self.routing)
         into = None
         with torch.no_grad():
