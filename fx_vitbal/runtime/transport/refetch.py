@@ -58,8 +58,8 @@ class Refetch:
     """Their storage's size before it was released."""
     taken: bool = False
     """``restore``'s autograd context holds it: a backward will refill."""
-    version: int = -1
-    """``home``'s version counter when offered (-1: unset)."""
+    version: int = dataclasses.field(init=False)
+    """``home``'s version counter when offered."""
 
     def __post_init__(self) -> None:
         self.version = self.home._version
