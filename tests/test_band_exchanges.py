@@ -176,6 +176,9 @@ def test_each_exchange_kind_runs_in_the_compiled_tensor_form_exactly():
             # gather's and ring's backward too (ulysses and usp run their forward again there).
             compiled, eager = res["messages"]
             assert compiled["forward"] == eager["forward"], (kind, rank)
+            # The eager backward first fetches the pixels again (every rank here moves some:
+            # ``runtime.transport.refetch``); a compiled graph keeps them.
+            eager["backward"] = eager["backward"][1:]
             if kind in ("gather", "ring"):
                 assert compiled["backward"] == eager["backward"], (kind, rank)
             else:

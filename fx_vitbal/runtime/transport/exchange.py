@@ -25,7 +25,6 @@ def exchange(
     group: dist.ProcessGroup,
     status_word: torch.Tensor | None = None,
     outputs: bool = False,
-    into: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Move unit rows to their computing ranks (``reverse=False``) or back home (``True``):
     pixels and their gradients, or (``outputs``) ViT outputs and their gradients, which with
@@ -41,8 +40,6 @@ def exchange(
     ``status_word`` (``fx_vitbal.runtime.transport.status``: int64s) rides to every rank inside the
     first exchange, after each destination's rows; returns ``(moved tensors, every rank's words)``
     (``[world, len(status_word)]`` int64 on the rows' device, or None without a word).
-    ``into``: where the rows of one tensor moving out land (its result is ``into``), a buffer
-    the caller holds (``refetch``) instead of a new one.
     """
     move = move_of(routing, shrink, outputs, reverse)
     in_splits, out_splits = move.in_splits, move.out_splits
@@ -59,7 +56,7 @@ def exchange(
             chunks, words = _all_to_all_with_word(flat, in_splits, out_splits, group, status_word)
             words_R = words.view(torch.int64).view(len(out_splits), -1)
         else:
-            moved = into if into is not None else flat.new_empty(sum(out_splits), flat.shape[1])
+            moved = flat.new_empty(sum(out_splits), flat.shape[1])
             collectives.all_to_all(moved, flat.contiguous(), out_splits, in_splits, group)
             chunks = moved.split(out_splits)
         if move.home is not None:  # grouped by source -> the result's order, tensor by tensor
