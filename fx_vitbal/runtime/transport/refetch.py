@@ -26,10 +26,11 @@ for a tensor saved for backward), before anything moves.
 Lockstep: the refill runs in every restore backward of such a step, on every rank (the plan is
 global), as point-to-point messages between the ranks the forward moved pixels between, one each
 way a pair, posted as one batch (a rank that moved none posts nothing); whether a rank released
-its pixels is its own choice, and a rank that kept them takes part and drops what it receives. A rank keeps them where a ViT output shares their
-storage. A call run inside a backward (a checkpoint's recompute) offers nothing: its ``restore``
-may never see a backward (a non-reentrant checkpoint keeps only the tensors the recompute saves),
-so nothing would refill it. Compiled graphs never release (their buffers are inductor's).
+its pixels is its own choice, and a rank that kept them takes part and drops what it receives.
+A rank keeps them where a ViT output shares their storage. A call run inside a backward (a
+checkpoint's recompute) offers nothing: its ``restore`` may never see a backward (a
+non-reentrant checkpoint keeps only the tensors the recompute saves), so nothing would refill
+it. Compiled graphs never release (their buffers are inductor's).
 """
 
 import dataclasses
