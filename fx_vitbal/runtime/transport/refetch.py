@@ -102,10 +102,12 @@ class Refetch:
         blocks = as_blocks(home, self.merge_area)
         into = None
         with torch.no_grad():
-            if exchanged is not None:  # the rows land in place, the dummy unit's zeros after
+            # The rows land in place, the dummy unit's zeros after; a tensor made from the home
+            # pixels (where the exchange runs) takes the storage back.
+            if exchanged is not None:
                 storage = exchanged.untyped_storage()
                 storage.resize_(self.nbytes)
-                target = exchanged.new_empty(0).set_(
+                target = home.new_empty(0, dtype=exchanged.dtype).set_(
                     storage, exchanged.storage_offset(), exchanged.shape, exchanged.stride()
                 )
                 arrived = as_blocks(target, self.merge_area)
