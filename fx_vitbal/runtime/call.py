@@ -113,8 +113,7 @@ def run_balanced(
                 outputs, routing, area, layouts, rows, group_name, True, check_now
             )
     finally:  # an offer lives for this call's restore only
-        if refetched is not None:
-            refetch.withdraw()
+        refetch.withdraw()
     if refetched is not None:  # the exchanged pixels, until the backward fetches them again
         refetched.release(pixels, outputs)
     return restored, extra, routing
