@@ -558,7 +558,7 @@ def test_the_bytes_each_band_receives_are_what_the_planner_prices():
     two groups of two): what each rank receives from each peer through one layer's forward and
     backward equals ``band_prices.band_receives``, which counts every kind's traffic
     (``frame_traffic``), and for gather and ring sums to what prices them
-    (``received_patches``, in ``band_price``). Uneven bands
+    (``received_patches``, in ``frame_prices``). Uneven bands
     tell the backwards apart: a gather band gets its own block's gradients from each peer, a
     ring band every accumulator but the one that starts on it."""
     from fx_vitbal.plan.band_prices import band_receives, received_patches
@@ -570,6 +570,6 @@ def test_the_bytes_each_band_receives_are_what_the_planner_prices():
         for kind, got in by_kind.items():
             want = dict(band_receives(rule, UNEVEN_ROWS, rank, kind, ranks_per_node=2))
             assert got == want, (kind, rank, got, want)
-            if kind in ("gather", "ring"):  # what band_price counts
+            if kind in ("gather", "ring"):  # what frame_prices counts
                 priced = received_patches(UNEVEN_ROWS, rank, kind, sum(UNEVEN_ROWS))
                 assert sum(got.values()) == kv * priced, (kind, rank)

@@ -181,7 +181,7 @@ def test_bytes_per_layer_and_direction_are_the_issues_formulas():
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 60), min_size=2, max_size=9), st.data())
 def test_what_prices_gather_and_ring_is_the_sum_of_what_each_band_receives(sizes, data):
-    """For any bands, ``received_patches`` (what ``band_price`` counts for gather and ring) is
+    """For any bands, ``received_patches`` (what ``frame_prices`` counts for gather and ring) is
     the sum of ``band_receives`` (what the runtime sends, checked on ranks in
     ``test_band_exchanges.py``), and the frame's ranks receive the same bytes under gather and
     ring: each band's keys and values reach every other band twice and its dK/dV come home once,

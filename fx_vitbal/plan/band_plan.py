@@ -38,7 +38,7 @@ class Cut(NamedTuple):
     bands: list[Band]
     kind: str
     prices: list[float]
-    """Each band's exchange (``band_prices.ExchangePrices.band_price``; zeros without a scale)."""
+    """Each band's exchange (``band_prices.ExchangePrices.frame_prices``; zeros without a scale)."""
     nodes: tuple[int, ...] | None
     """Each band's node as priced (``ExchangePrices.packed_nodes`` until placed)."""
     required: bool = False

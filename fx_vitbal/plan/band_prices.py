@@ -42,6 +42,7 @@ the same prices on every rank.
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -82,6 +83,7 @@ def usp_degree(heads: int, k: int, ranks_per_node: int | None) -> int:
     return max((u for u in range(2, fits + 1) if heads % u == 0 and k % u == 0), default=0)
 
 
+@functools.lru_cache(maxsize=1024)
 def kinds_for(rule: BandRule, forced: str, k: int, ranks_per_node: int | None) -> tuple[str, ...]:
     """The kinds a frame of ``k`` bands (on ``k`` ranks) may use: the forced one (``ulysses``
     and ``usp`` become ``ring``, by rule, where the heads do not divide as they need), else
@@ -138,39 +140,60 @@ class ExchangePrices:
             return None
         return tuple(range(k))
 
-    def band_price(
-        self, sizes: Sequence[int], i: int, kind: str, nodes: Sequence[int] | None
-    ) -> float:
-        """The exchange of band ``i`` of a frame cut into bands of ``sizes`` patches, on its
-        rank, forward and backward of every exchanging layer."""
-        n, total, k = sizes[i], sum(sizes), len(sizes)
+    def frame_prices(
+        self, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
+    ) -> list[float]:
+        """Every band's exchange, on its rank, forward and backward of every exchanging layer
+        (see [Note: exchange prices]): what the frame's bands share (its total, the
+        link, ``usp``'s groups) worked out once, each band's price once a size where only its
+        size tells bands apart (every kind but ``usp``, the bands on one node or each on its
+        own). Plans price some thousand frame shapes a step at scale (``band_plan``)."""
+        k = len(sizes)
         if k < 2:
-            return 0.0
-        kv = self.rule.kv_bytes_per_patch
-        if kind == "ulysses":
-            return self.rule.exchange_layers * 2 * self._ulysses(sizes, i, nodes)
+            return [0.0] * k
         if kind == "usp":
-            return self.rule.exchange_layers * self._usp(sizes, i, nodes)
-        spans = nodes is not None and len(set(nodes)) > 1
-        link = self.across if spans else self.inside
-        other = total - n
-        # k - 1 steps a direction, each behind one block's attention (gather: backward only)
-        exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * n)
-        patches = received_patches(sizes, i, kind, total)
-        if kind == "gather":  # the forward's whole, then the backward's exposed
-            forward = link.latency + kv * other / link.bytes_per_cost
-            per_layer = forward + (k - 1) * link.latency + (patches - other) * exposed
-        else:
-            per_layer = 2 * (k - 1) * link.latency + patches * exposed
-        return self.rule.exchange_layers * per_layer
+            return self._usp_prices(sizes, nodes)
+        layers = self.rule.exchange_layers
+        by_size = nodes is None or len(set(nodes)) == len(nodes)
+        if kind == "ulysses":
+            priced = {}
+            for i, n in enumerate(sizes):
+                if not by_size or n not in priced:
+                    priced[n if by_size else i] = layers * 2 * self._ulysses(sizes, i, nodes)
+            return [priced[n if by_size else i] for i, n in enumerate(sizes)]
+        total, kv = sum(sizes), self.rule.kv_bytes_per_patch
+        link = self.across if nodes is not None and len(set(nodes)) > 1 else self.inside
+        bytes_per_cost, latency = link.bytes_per_cost, link.latency
+        priced = {}
+        for i, n in enumerate(sizes):
+            if by_size and n in priced:
+                continue
+            other = total - n
+            # k - 1 steps a direction, each behind one block's attention (gather: backward only)
+            exposed = max(0.0, kv / bytes_per_cost - self.pair_cost * n)
+            patches = received_patches(sizes, i, kind, total)
+            if kind == "gather":  # the forward's whole, then the backward's exposed
+                forward = latency + kv * other / bytes_per_cost
+                per_layer = forward + (k - 1) * latency + (patches - other) * exposed
+            else:
+                per_layer = 2 * (k - 1) * latency + patches * exposed
+            priced[n if by_size else i] = layers * per_layer
+        return [priced[n if by_size else i] for i, n in enumerate(sizes)]
 
     def _ulysses(self, sizes: Sequence[int], i: int, nodes: Sequence[int] | None) -> float:
         """One direction of one layer: two all-to-alls, each peer's share on its own link."""
         k, n, kv = len(sizes), sizes[i], self.rule.kv_bytes_per_patch
+        if nodes is None:  # one link (the sums in the same order as below)
+            got = out = 0.0
+            for j, m in enumerate(sizes):
+                if j != i:
+                    got += kv * (ULYSSES_QKV * m + ULYSSES_OUT * n) / k
+                    out += kv * (ULYSSES_QKV * n + ULYSSES_OUT * m) / k
+            return 2 * self.inside.latency + max(got, out) / self.inside.bytes_per_cost
         links = {}
         for j, m in enumerate(sizes):
             if j != i:
-                far = nodes is not None and nodes[j] != nodes[i]
+                far = nodes[j] != nodes[i]
                 received = kv * (ULYSSES_QKV * m + ULYSSES_OUT * n) / k
                 sent = kv * (ULYSSES_QKV * n + ULYSSES_OUT * m) / k
                 got, out = links.get(far, (0.0, 0.0))
@@ -182,37 +205,33 @@ class ExchangePrices:
         )
         return 2 * latency + seconds
 
-    def _usp(self, sizes: Sequence[int], i: int, nodes: Sequence[int] | None) -> float:
-        """One layer, forward and backward: ``ulysses`` in band ``i``'s group, then the ring
-        of its place in every group (the groups' rows, ``1/u`` of the heads)."""
-        u = usp_degree(self.rule.heads, len(sizes), self.ranks_per_node)
-        g, place = divmod(i, u)
-        members = range(g * u, (g + 1) * u)
-        group_nodes = None if nodes is None else [nodes[j] for j in members]
-        heads = 2 * self._ulysses([sizes[j] for j in members], place, group_nodes)
-        ring = range(place, len(sizes), u)
-        link = (
-            self.across if nodes is not None and len({nodes[j] for j in ring}) > 1 else self.inside
-        )
-        rows = sum(sizes[j] for j in members)
-        kv = self.rule.kv_bytes_per_patch / u
-        exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * rows / u)
-        steps = len(sizes) // u - 1
-        patches = received_patches(_group_rows(sizes, u), g, "ring", sum(sizes))
-        return heads + 2 * steps * link.latency + patches * exposed
-
-    def frame_prices(
-        self, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
-    ) -> list[float]:
-        """``band_price`` of every band of the frame, once a size where only its size tells
-        bands apart (every kind but ``usp``, the bands on one node or each on its own)."""
-        if kind == "usp" or not (nodes is None or len(set(nodes)) == len(nodes)):
-            return [self.band_price(sizes, i, kind, nodes) for i in range(len(sizes))]
-        by_size: dict[int, float] = {}
-        for i, n in enumerate(sizes):
-            if n not in by_size:
-                by_size[n] = self.band_price(sizes, i, kind, nodes)
-        return [by_size[n] for n in sizes]
+    def _usp_prices(self, sizes: Sequence[int], nodes: Sequence[int] | None) -> list[float]:
+        """Each band's layers, forward and backward: ``ulysses`` in its group, then the ring of
+        its place in every group (the groups' rows, ``1/u`` of the heads)."""
+        k, u = len(sizes), usp_degree(self.rule.heads, len(sizes), self.ranks_per_node)
+        groups = _group_rows(sizes, u)
+        total, kv = sum(sizes), self.rule.kv_bytes_per_patch / u
+        steps = k // u - 1
+        rings = []  # each place's ring link
+        for place in range(u):
+            ring = range(place, k, u)
+            far = nodes is not None and len({nodes[j] for j in ring}) > 1
+            rings.append(self.across if far else self.inside)
+        priced, heads_of = [], {}  # a group's all-to-alls, once a group and place
+        for i in range(k):
+            g, place = divmod(i, u)
+            group = tuple(sizes[g * u : (g + 1) * u])
+            group_nodes = None if nodes is None else tuple(nodes[g * u : (g + 1) * u])
+            key = (group, place, group_nodes)
+            if key not in heads_of:
+                heads_of[key] = 2 * self._ulysses(group, place, group_nodes)
+            heads = heads_of[key]
+            link = rings[place]
+            exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * groups[g] / u)
+            patches = received_patches(groups, g, "ring", total)
+            per_layer = heads + 2 * steps * link.latency + patches * exposed
+            priced.append(self.rule.exchange_layers * per_layer)
+        return priced
 
     def cheapest(
         self, sizes: Sequence[int], nodes: Sequence[int] | None, ranks: int | None = None
