@@ -195,6 +195,30 @@ def test_what_prices_gather_and_ring_is_the_sum_of_what_each_band_receives(sizes
     assert totals[0] == totals[1] == 3 * 3 * sum(sizes) * (len(sizes) - 1)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=2, max_size=9), st.sampled_from([None, "across"]))
+def test_ring_bands_of_one_size_are_priced_by_the_band_before_them(sizes, where):
+    """A ring band receives every block's accumulator but the band before's, so two bands of
+    one size whose bands before differ receive different bytes and pay apart: for any bands,
+    on one node or each on its own, the prices of two bands of one size differ by what they
+    receive, times what a patch's transfer leaves exposed (these bands are too small to hide
+    it)."""
+    prices = exchange_prices(RULE, macs=True, ranks_per_node=8)
+    nodes = None if where is None else tuple(range(len(sizes)))
+    link = prices.inside if nodes is None else prices.across
+    priced = prices.frame_prices(sizes, "ring", nodes)
+    total = sum(sizes)
+    for i, n in enumerate(sizes):
+        exposed = RULE.kv_bytes_per_patch / link.bytes_per_cost - prices.pair_cost * n
+        assert exposed > 0
+        for j in range(i + 1, len(sizes)):
+            if sizes[j] == n:
+                apart = received_patches(sizes, j, "ring", total)
+                apart -= received_patches(sizes, i, "ring", total)
+                want = RULE.exchange_layers * apart * exposed
+                assert math.isclose(priced[j] - priced[i], want, rel_tol=1e-6, abs_tol=1e-3)
+
+
 def test_a_frame_spanning_nodes_pays_infiniband_and_its_latency():
     """A 64 x 64 frame in two bands gathers in 1.66 ms a step on one node (0.70 ms of it the
     collectives: 11 us, a layer and direction; the backward's fetches hide behind its

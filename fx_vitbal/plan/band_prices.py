@@ -144,9 +144,9 @@ class ExchangePrices:
         self, sizes: Sequence[int], kind: str, nodes: Sequence[int] | None
     ) -> list[float]:
         """Every band's exchange, on its rank, forward and backward of every exchanging layer
-        (see [Note: exchange prices]): what the frame's bands share (its total, the
-        link, ``usp``'s groups) worked out once, each band's price once a size where only its
-        size tells bands apart (every kind but ``usp``, the bands on one node or each on its
+        (see [Note: exchange prices]): what the frame's bands share (its total, the link,
+        ``usp``'s groups) worked out once, each band's price once a size where only its size
+        tells bands apart (``gather``; ``ulysses`` with the bands on one node or each on its
         own). Plans price some thousand frame shapes a step at scale (``band_plan``)."""
         k = len(sizes)
         if k < 2:
@@ -164,6 +164,9 @@ class ExchangePrices:
         total, kv = sum(sizes), self.rule.kv_bytes_per_patch
         link = self.across if nodes is not None and len(set(nodes)) > 1 else self.inside
         bytes_per_cost, latency = link.bytes_per_cost, link.latency
+        # A ring band receives the accumulators of every block but the band before's: its
+        # price depends on that band's size too.
+        by_size = kind == "gather"
         priced = {}
         for i, n in enumerate(sizes):
             if by_size and n in priced:
