@@ -16,10 +16,14 @@
 4. The documents mix at one image a rank with a memory budget a rank (``--budget-gib``, 10
    and 14 by default): makespan, the most activation memory one rank holds, the steps whose
    plan keeps the budget, and the planning time.
+5. The at-scale steps planned several times in a row (``--plans``) with the garbage collector
+   on, as in training: the collections that ran while they planned and their time
+   (``--only-collections``: this table alone).
 
 No timed assertion: the tables are printed.
 
     python benchmarks/bands.py [--seeds 3] [--ranks-per-node 8] [--repeats 3] [--budget-gib 10 14]
+        [--plans 6] [--only-collections]
 """
 
 import argparse
@@ -213,6 +217,52 @@ def budget_table(seeds: int, ranks_per_node: int, repeats: int, budgets: list[in
             )
 
 
+def collections_table(ranks_per_node: int, plans: int) -> None:
+    """The at-scale steps (seed 0) planned ``plans`` times in a row with bands, Python's garbage
+    collector on and nothing collected between plans, as a training process plans each step:
+    the collections that ran while they planned, by generation, and the time spent in them
+    (a full collection walks every object the process tracks, printed)."""
+    print(f"process tracking {len(gc.get_objects()):,} objects\n")
+    print(
+        "| step | plans | ms a plan, median / longest | collections: young / middle / full | "
+        "ms in collections |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    config = BalanceConfig(split_images=True, ranks_per_node=ranks_per_node)
+    settings = plan_settings(planner_spec_for(config, QWEN2_VL_7B, True, QWEN2_VL_7B_BANDS))
+    seen, spent, started = collections.Counter(), [0.0], [0.0]
+
+    def heard(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            seen[info["generation"]] += 1
+            spent[0] += time.perf_counter() - started[0]
+
+    for label, sampler, ranks, per, replicas, *_ in AT_SCALE:
+        grids = sampler(ranks // replicas, per, 0)
+        seen.clear()
+        spent[0] = 0.0
+        gc.collect()
+        gc.callbacks.append(heard)
+        seconds = []
+        try:
+            planned = None
+            for _ in range(plans):
+                forget_prices()
+                start = time.perf_counter()
+                planned = planning.plan_step(grids, settings)
+                seconds.append(time.perf_counter() - start)
+        finally:
+            gc.callbacks.remove(heard)
+        del planned
+        print(
+            f"| {label} | {plans} | {statistics.median(seconds) * 1e3:.1f} / "
+            f"{max(seconds) * 1e3:.1f} | {seen[0]} / {seen[1]} / {seen[2]} | "
+            f"{spent[0] * 1e3:.1f} |"
+        )
+
+
 def projection(patches: int, k: int, across: bool) -> tuple[str, float]:
     """The cheapest exchange of one image of ``patches`` patches in ``k`` even bands, inside a
     node or each band on a node of its own, and the projected speed-up of its forward and
@@ -248,8 +298,13 @@ def main() -> None:
         default=[10.0, 14.0],
         help="the memory budgets of table 4 (GiB a rank)",
     )
+    parser.add_argument("--plans", type=int, default=6, help="plans in a row of table 5")
+    parser.add_argument("--only-collections", action="store_true", help="table 5 alone")
     args = parser.parse_args()
     rpn = args.ranks_per_node
+    if args.only_collections:
+        collections_table(rpn, args.plans)
+        return
     print(f"\n1. At scale: makespan / mean load, whole frames -> bands ({rpn} ranks a node; means")
     print(f"over {args.seeds} seeds; target and, in brackets, bands measured before):\n")
     table(AT_SCALE, args.seeds, rpn, args.repeats)
@@ -278,6 +333,11 @@ def main() -> None:
         f"{rpn} ranks a node; means over {args.seeds} seeds):\n"
     )
     budget_table(args.seeds, rpn, args.repeats, budgets)
+    print(
+        f"\n5. Plans in a row, the garbage collector on ({rpn} ranks a node; seed 0; "
+        f"{args.plans} plans a step, no shape priced before):\n"
+    )
+    collections_table(rpn, args.plans)
 
 
 if __name__ == "__main__":

@@ -739,3 +739,42 @@ def test_two_bands_of_a_frame_on_one_rank_are_priced_as_the_gather_the_runtime_r
             if forced != "auto":
                 kind, _ = price_cut(bands, RULE, prices, None, config, ranks=[0, 1, 2, 3, 4])
                 assert kind == ("gather" if forced == "gather" else "ring"), (forced, prices)
+
+
+def test_a_plan_runs_no_garbage_collection_and_makes_no_reference_cycles():
+    """A 256-rank step of the documents mix, planned with bands by nodes of 8, allocates far
+    past the collector's first threshold (700 objects) and holds much of it at once (13
+    collections ran in it before, one of them of the middle generation): no collection runs while it
+    plans (the collector is paused inside, then on again; at most one of the young generation
+    runs as it returns, for what the plan keeps), it makes no reference cycles (nothing is left
+    for a collection to find), and it leaves a collector that was off, off."""
+    import gc
+
+    from fx_vitbal.tools.workloads import sample_batches
+
+    grids = sample_batches(256, 1, mix="documents", seed=0)
+    config = fx_vitbal.BalanceConfig(ranks_per_node=8)
+    settings = plan_settings(planner_spec_for(config, QWEN2_VL, True, (2, 32, 1280, False, 16)))
+    collections = []
+
+    def heard(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    assert gc.isenabled()
+    gc.collect()
+    gc.callbacks.append(heard)
+    try:
+        planned = plan_step(grids, settings)
+    finally:
+        gc.callbacks.remove(heard)
+    assert planned.frames and collections in ([], [0])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        del planned
+        plan_step(grids, settings)
+        assert not gc.isenabled()
+        assert gc.collect() == 0  # unreachable objects found: none
+    finally:
+        gc.enable()

@@ -12,8 +12,10 @@ the budget needs them).
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import gc
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -197,17 +199,41 @@ def plan_step(
     write the ``--dp-balance-verbose`` line for (``StepPlan.note``; None: none). The memo of
     unit costs lives for this call only.
     """
-    split = settings.config.split_frames
-    if sets is None:
-        units_O = [split_units(grid, split) for grid in grids_R]
-    else:
-        units_O = [split_units(grids_R[ranks[0]], split) for ranks in sets]
-    planned = solve_with_bands(
-        units_O, unit_costs(settings.cost_model), settings, len(grids_R), sets
-    )
-    if describe_as is None:
-        return planned
-    return dataclasses.replace(planned, note=describe_plan(planned, describe_as))
+    with collector_paused():
+        split = settings.config.split_frames
+        if sets is None:
+            units_O = [split_units(grid, split) for grid in grids_R]
+        else:
+            units_O = [split_units(grids_R[ranks[0]], split) for ranks in sets]
+        planned = solve_with_bands(
+            units_O, unit_costs(settings.cost_model), settings, len(grids_R), sets
+        )
+        if describe_as is None:
+            return planned
+        return dataclasses.replace(planned, note=describe_plan(planned, describe_as))
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off while a step is planned, on again after (where it
+    was on: a process that runs its collections itself, as Megatron's ``--manual-gc`` does,
+    keeps it off).
+
+    A plan at scale holds some 10^5 young objects at once (units, bands, their lists). Every
+    collection that ran meanwhile promoted the live ones, and that set off a full collection of
+    the whole process every second plan of a 2048-rank step with bands: 130-150 ms in a process
+    tracking 0.3 M objects (a training process tracks more), each rank at its own moment, a
+    straggler of the balancer's own making (``docs/benchmarks.md``). The planner makes no
+    reference cycles (``tests/test_band_planning.py``), so reference counting frees whatever
+    it drops, collector or not."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _solve(units_O, costs_O, settings: PlanSettings, sets) -> StepPlan:
