@@ -225,7 +225,8 @@ def collector_paused():
     tracking 0.3 M objects (a training process tracks more), each rank at its own moment, a
     straggler of the balancer's own making (``docs/benchmarks.md``). The planner makes no
     reference cycles (``tests/test_band_planning.py``), so reference counting frees whatever
-    it drops, collector or not."""
+    it drops, collector or not. The pause is the process's: while a data thread plans ahead
+    (``fx_vitbal.plan_ahead``), the other threads' collections wait for it too."""
     if not gc.isenabled():
         yield
         return
