@@ -221,9 +221,9 @@ def collector_paused():
 
     A plan at scale holds some 10^5 young objects at once (units, bands, their lists). Every
     collection that ran meanwhile promoted the live ones, and that set off a full collection of
-    the whole process every second plan of a 2048-rank step with bands: 130-150 ms in a process
-    tracking 0.3 M objects (a training process tracks more), each rank at its own moment, a
-    straggler of the balancer's own making (``docs/benchmarks.md``). The planner makes no
+    the whole process every second or third plan of a 2048-rank step with bands: 130-190 ms in
+    a process tracking 0.3 M objects (a training process tracks more), each rank at its own
+    moment, a straggler of the balancer's own making (``docs/benchmarks.md``). The planner makes no
     reference cycles (``tests/test_band_planning.py``), so reference counting frees whatever
     it drops, collector or not. The pause is the process's: while a data thread plans ahead
     (``fx_vitbal.plan_ahead``), the other threads' collections wait for it too."""
