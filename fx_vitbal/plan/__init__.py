@@ -10,7 +10,8 @@ same batch, reduced to one ``solve_plan`` over holdings, ``solve_for_sets``); th
 frames split across ranks: ``bands`` (the rule), ``band_prices`` (their exchanges, by kind and
 place), ``band_plan`` (which frames are cut and how), ``band_fill`` and ``band_nodes`` (bands on
 a cluster of nodes), ``band_gaps`` (uneven cuts), ``band_caps`` (the row cap kept with bands);
-and ``step``, the planning step of one call over all of them (``plan_step``).
+and ``step``, the planning step of one call over all of them (``plan_step``, with Python's
+garbage collector paused by ``collector`` while it plans).
 
 Deterministic: every rank runs ``solve_plan`` on the same gathered input and must get the same
 answer. Decisions are made on integer fixed-point costs, whose sums are exact in any order (so

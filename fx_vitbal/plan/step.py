@@ -12,10 +12,8 @@ the budget needs them).
 """
 
 import collections
-import contextlib
 import dataclasses
 import functools
-import gc
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -29,6 +27,7 @@ from fx_vitbal.plan.band_plan import (
 )
 from fx_vitbal.plan.band_prices import ExchangePrices, exchange_prices, usp_degree
 from fx_vitbal.plan.bands import BandRule, exchange_scale
+from fx_vitbal.plan.collector import collector_paused
 from fx_vitbal.plan.replicas import as_held, solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.plan.units import Plan, is_band, unit_rows
@@ -211,30 +210,6 @@ def plan_step(
         if describe_as is None:
             return planned
         return dataclasses.replace(planned, note=describe_plan(planned, describe_as))
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector off while a step is planned, on again after (where it
-    was on: a process that runs its collections itself, as Megatron's ``--manual-gc`` does,
-    keeps it off).
-
-    A plan at scale holds some 10^5 young objects at once (units, bands, their lists). Every
-    collection that ran meanwhile promoted the live ones, and that set off a full collection of
-    the whole process every second or third plan of a 2048-rank step with bands: 130-190 ms in
-    a process tracking 0.3 M objects (a training process tracks more), each rank at its own
-    moment, a straggler of the balancer's own making (``docs/benchmarks.md``). The planner makes no
-    reference cycles (``tests/test_band_planning.py``), so reference counting frees whatever
-    it drops, collector or not. The pause is the process's: while a data thread plans ahead
-    (``fx_vitbal.plan_ahead``), the other threads' collections wait for it too."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _solve(units_O, costs_O, settings: PlanSettings, sets) -> StepPlan:
