@@ -28,7 +28,7 @@ from fx_vitbal.plan.band_plan import (
 from fx_vitbal.plan.band_prices import ExchangePrices, exchange_prices, usp_degree
 from fx_vitbal.plan.bands import BandRule, exchange_scale
 from fx_vitbal.plan.collector import collector_paused
-from fx_vitbal.plan.replicas import as_held, solve_for_sets
+from fx_vitbal.plan.replicas import as_held, set_of_ranks, solve_for_sets
 from fx_vitbal.plan.solve import solve_plan
 from fx_vitbal.plan.units import Plan, is_band, unit_rows
 
@@ -131,28 +131,30 @@ class StepPlan:
     """The ``--dp-balance-verbose`` line (``describe_plan``), when asked for."""
 
     @functools.cached_property
-    def _where(self) -> dict[tuple[int, int], int]:
-        where = {}
-        for r, _ in enumerate(self.units_R):
-            for j, d in enumerate(self.plan.destinations(r)):
-                owner, index = (r, j) if self.sets is None else (self.set_of[r], self.held[r][j])
-                where[(owner, index)] = d
-        return where
+    def _where(self) -> dict[int, list[int]]:
+        """Each owner's units' ranks, listed when ``computed_by`` first asks of that owner."""
+        return {}
 
     @functools.cached_property
     def set_of(self) -> list[int]:
         """Each rank's owner: itself, or its replica set."""
         if self.sets is None:
             return list(range(len(self.units_R)))
-        set_of = [0] * len(self.units_R)
-        for s, ranks in enumerate(self.sets):
-            for r in ranks:
-                set_of[r] = s
-        return set_of
+        return set_of_ranks(self.sets)
 
     def computed_by(self, owner: int, index: int) -> int:
-        """The rank computing unit ``index`` of ``owner``."""
-        return self._where[(owner, index)]
+        """The rank computing unit ``index`` of ``owner`` (a layout asks of its frames' owners)."""
+        where = self._where.get(owner)
+        if where is None:
+            if self.sets is None:
+                where = self.plan.destinations(owner)
+            else:  # the set's units, each from the replica holding it
+                where = [0] * len(self.units_O[owner])
+                for r in self.sets[owner]:
+                    for j, d in enumerate(self.plan.destinations(r)):
+                        where[self.held[r][j]] = d
+            self._where[owner] = where
+        return where[index]
 
 
 def split_units(grid: Sequence[Sequence[int]], split_frames: bool) -> list[tuple[int, int, int]]:
