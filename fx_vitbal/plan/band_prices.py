@@ -154,33 +154,37 @@ class ExchangePrices:
         if kind == "usp":
             return self._usp_prices(sizes, nodes)
         layers = self.rule.exchange_layers
-        by_size = nodes is None or len(set(nodes)) == len(nodes)
         if kind == "ulysses":
-            priced = {}
-            for i, n in enumerate(sizes):
-                if not by_size or n not in priced:
-                    priced[n if by_size else i] = layers * 2 * self._ulysses(sizes, i, nodes)
-            return [priced[n if by_size else i] for i, n in enumerate(sizes)]
-        total, kv = sum(sizes), self.rule.kv_bytes_per_patch
-        link = self.across if nodes is not None and len(set(nodes)) > 1 else self.inside
-        bytes_per_cost, latency = link.bytes_per_cost, link.latency
-        # A ring band receives the accumulators of every block but the band before's: its
-        # price depends on that band's size too.
-        by_size = kind == "gather"
+            by_size = nodes is None or len(set(nodes)) == len(nodes)
+
+            def price(i: int) -> float:
+                return layers * 2 * self._ulysses(sizes, i, nodes)
+
+        else:
+            # A ring band receives the accumulators of every block but the band before's: its
+            # price depends on that band's size too.
+            by_size = kind == "gather"
+            total, kv = sum(sizes), self.rule.kv_bytes_per_patch
+            link = self.across if nodes is not None and len(set(nodes)) > 1 else self.inside
+
+            def price(i: int) -> float:
+                n = sizes[i]
+                other = total - n
+                # k - 1 steps a direction, each behind one block's attention (gather: backward)
+                exposed = max(0.0, kv / link.bytes_per_cost - self.pair_cost * n)
+                patches = received_patches(sizes, i, kind, total)
+                if kind == "gather":  # the forward's whole, then the backward's exposed
+                    forward = link.latency + kv * other / link.bytes_per_cost
+                    per_layer = forward + (k - 1) * link.latency + (patches - other) * exposed
+                else:
+                    per_layer = 2 * (k - 1) * link.latency + patches * exposed
+                return layers * per_layer
+
         priced = {}
         for i, n in enumerate(sizes):
-            if by_size and n in priced:
-                continue
-            other = total - n
-            # k - 1 steps a direction, each behind one block's attention (gather: backward only)
-            exposed = max(0.0, kv / bytes_per_cost - self.pair_cost * n)
-            patches = received_patches(sizes, i, kind, total)
-            if kind == "gather":  # the forward's whole, then the backward's exposed
-                forward = latency + kv * other / bytes_per_cost
-                per_layer = forward + (k - 1) * latency + (patches - other) * exposed
-            else:
-                per_layer = 2 * (k - 1) * latency + patches * exposed
-            priced[n if by_size else i] = layers * per_layer
+            key = n if by_size else i
+            if key not in priced:
+                priced[key] = price(i)
         return [priced[n if by_size else i] for i, n in enumerate(sizes)]
 
     def _ulysses(self, sizes: Sequence[int], i: int, nodes: Sequence[int] | None) -> float:
